@@ -1,0 +1,36 @@
+"""Shared test set-up.
+
+* CUDA kernels run in Numba's CUDA simulator unless the run asks for a real GPU
+  (``--gpu``). The variable must be set before numba is first imported; the README's
+  test command sets it, and this file sets it too for a bare ``pytest``.
+* Tests marked ``gpu`` need a real CUDA device and run only with ``--gpu``.
+"""
+
+import os
+import sys
+
+import pytest
+
+if "--gpu" not in sys.argv:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    if "numba" in sys.modules:  # imported early by a plugin: make it see the variable
+        import numba.core.config
+
+        numba.core.config.reload_config()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true", help="run tests that need a real CUDA GPU")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a real CUDA GPU; runs only with --gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu"):
+        return
+    skip = pytest.mark.skip(reason="needs a real CUDA GPU: run with --gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
