@@ -1,0 +1,123 @@
+"""Record operators with torch.fx: symbolic trace, then shape propagation.
+
+Shapes are propagated with fake tensors (no arithmetic), so tracing BERT-base on a
+paper-scale batch costs no more than on a tiny one; ops without a fake kernel fall back
+to propagation with the real example inputs.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> recs = trace_fx(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), (torch.randn(2, 4),))
+    >>> [(r.name, r.kind) for r in recs]
+    [('0', 'linear'), ('1', 'activation')]
+"""
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from qsync_lab.graph.kinds import function_kind, is_leaf_module, module_kind
+from qsync_lab.graph.records import OpNamer, OpRecord, TensorMeta
+
+
+class _LeafTracer(fx.Tracer):
+    """fx tracer that keeps every op module (see ``kinds.is_leaf_module``) as one node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_leaf_module(m)
+
+
+def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` that keeps every op module as one ``call_module`` node
+    (``torch.fx`` alone inlines user modules such as the zoo's ``MatMul``).
+
+    Example::
+
+        >>> import torch.nn as nn
+        >>> gm = symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
+        >>> [n.op for n in gm.graph.nodes]
+        ['placeholder', 'call_module', 'output']
+    """
+    return fx.GraphModule(model, _LeafTracer().trace(model), type(model).__name__)
+
+
+def trace_fx(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[OpRecord]:
+    """Trace ``model`` with torch.fx and return one record per operator call.
+
+    Raises whatever torch.fx raises for untraceable code (the caller falls back).
+    """
+    gm = symbolic_trace(model)
+    _propagate_shapes(gm, example_inputs)
+    params = {name: p for name, p in model.named_parameters()}
+    namer = OpNamer()
+    records: list[OpRecord] = []
+    producer: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        outputs = _metas(node.meta.get("tensor_meta"))
+        if not outputs:  # size(), dim(): shape arithmetic, not an operator
+            continue
+        rec = _record(node, gm, namer, params, producer)
+        rec.outputs = outputs
+        producer[node] = rec.name
+        records.append(rec)
+    return records
+
+
+def _propagate_shapes(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]) -> None:
+    """Annotate every node with ``tensor_meta``: with fake tensors if possible, else real."""
+    try:
+        ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
+            *example_inputs)
+    except Exception:  # an op without a fake/meta kernel: compute for real
+        ShapeProp(gm).propagate(*example_inputs)
+
+
+def _record(node: fx.Node, gm: fx.GraphModule, namer: OpNamer,
+            params: dict[str, nn.Parameter], producer: dict[fx.Node, str]) -> OpRecord:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        rec = OpRecord(namer.module(node.target), module_kind(module) or "other",
+                       f"{type(module).__module__}.{type(module).__name__}")
+        rec.params = [(f"{node.target}.{n}", TensorMeta.of(p))
+                      for n, p in module.named_parameters()]
+    else:
+        fn_name = node.target if node.op == "call_method" else node.target.__name__
+        rec = OpRecord(namer.function(_scope(node), fn_name), function_kind(fn_name), fn_name)
+    for arg in _flat_args(node):
+        if not isinstance(arg, fx.Node):
+            continue
+        if arg.op == "get_attr" and arg.target in params:
+            rec.params.append((arg.target, TensorMeta.of(params[arg.target])))
+            continue
+        metas = _metas(arg.meta.get("tensor_meta"))
+        if metas:
+            rec.inputs.append(metas[0])
+            rec.input_ops.append(producer.get(arg))
+    return rec
+
+
+def _scope(node: fx.Node) -> str:
+    """FQN of the innermost module whose forward made this call ('' at top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def _flat_args(node: fx.Node) -> list:
+    flat: list = []
+    fx.node.map_aggregate((node.args, node.kwargs), flat.append)
+    return flat
+
+
+def _metas(meta) -> list[TensorMeta]:
+    """Tensor metas of a node's ShapeProp result (tensor, or tuple/list of tensors)."""
+    if isinstance(meta, TensorMetadata):
+        return [TensorMeta(tuple(int(s) for s in meta.shape), meta.dtype)]
+    if isinstance(meta, (tuple, list)):
+        return [m for item in meta for m in _metas(item)]
+    return []

@@ -1,0 +1,128 @@
+"""Operator kinds: which kind a module or function call is.
+
+A module class may declare its own kind with a class attribute ``op_kind`` (the zoo's
+``MatMul`` does), so user code can extend the table without touching this file.
+
+Example::
+
+    >>> import torch.nn as nn
+    >>> module_kind(nn.Conv2d(3, 8, 3)), function_kind("softmax"), function_kind("reshape")
+    ('conv2d', 'softmax', 'view')
+"""
+
+import torch.nn as nn
+
+from qsync_lab.graph.records import op_name_of
+
+#: kinds whose output aliases an input (no data movement, no FLOPs)
+VIEW_KINDS = frozenset({"view"})
+
+#: kinds with weights whose precision a plan can change
+WEIGHTED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "embedding"})
+
+_MODULE_KINDS: list[tuple[type, str]] = [
+    (nn.Linear, "linear"),
+    (nn.Conv1d, "conv1d"),
+    (nn.Conv2d, "conv2d"),
+    (nn.Conv3d, "conv3d"),
+    (nn.Embedding, "embedding"),
+    (nn.modules.batchnorm._BatchNorm, "batch_norm"),
+    (nn.LayerNorm, "layer_norm"),
+    (nn.GroupNorm, "group_norm"),
+    (nn.RMSNorm, "rms_norm"),
+    (nn.Softmax, "softmax"),
+    (nn.LogSoftmax, "softmax"),
+    (nn.modules.pooling._MaxPoolNd, "pool"),
+    (nn.modules.pooling._AvgPoolNd, "pool"),
+    (nn.modules.pooling._AdaptiveAvgPoolNd, "pool"),
+    (nn.modules.pooling._AdaptiveMaxPoolNd, "pool"),
+    (nn.modules.dropout._DropoutNd, "dropout"),
+    (nn.modules.loss._Loss, "loss"),
+    (nn.Flatten, "view"),
+    (nn.Unflatten, "view"),
+    (nn.Identity, "view"),
+]
+
+_ACTIVATIONS = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Mish, nn.Softplus,
+)
+
+_FUNCTION_KINDS = {
+    "linear": "linear",
+    "conv1d": "conv1d",
+    "conv2d": "conv2d",
+    "conv3d": "conv3d",
+    "matmul": "matmul",
+    "mm": "matmul",
+    "bmm": "matmul",
+    "embedding": "embedding",
+    "batch_norm": "batch_norm",
+    "layer_norm": "layer_norm",
+    "group_norm": "group_norm",
+    "rms_norm": "rms_norm",
+    "softmax": "softmax",
+    "log_softmax": "softmax",
+    "dropout": "dropout",
+    "cross_entropy": "loss",
+    "nll_loss": "loss",
+    "mse_loss": "loss",
+    "l1_loss": "loss",
+    "binary_cross_entropy_with_logits": "loss",
+    "add": "add",
+    "sub": "add",
+    "mul": "mul",
+    "div": "mul",
+    "sum": "reduce",
+    "mean": "reduce",
+    "amax": "reduce",
+    "cat": "copy",
+    "stack": "copy",
+    "contiguous": "copy",
+    "clone": "copy",
+}
+for _name in ("relu", "relu6", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "elu",
+              "hardswish", "hardsigmoid", "hardtanh", "mish", "softplus"):
+    _FUNCTION_KINDS[_name] = "activation"
+for _name in ("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+              "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+              "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d"):
+    _FUNCTION_KINDS[_name] = "pool"
+for _name in ("view", "reshape", "flatten", "permute", "transpose", "t", "unsqueeze",
+              "squeeze", "expand", "expand_as", "getitem", "split", "chunk", "narrow",
+              "select", "unbind", "view_as", "unflatten", "movedim", "detach"):
+    _FUNCTION_KINDS[_name] = "view"
+for _name in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+              "zeros", "ones", "full", "arange"):
+    _FUNCTION_KINDS[_name] = "factory"
+for _name in ("exp", "log", "sqrt", "rsqrt", "pow", "neg", "abs", "clamp", "erf",
+              "masked_fill", "where", "float", "half", "to", "type_as"):
+    _FUNCTION_KINDS[_name] = "elementwise"
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """Kind of a module called as one operator, or None if it is not a known op module."""
+    declared = getattr(type(module), "op_kind", None)
+    if declared is not None:
+        return declared
+    if isinstance(module, _ACTIVATIONS):
+        return "activation"
+    for cls, kind in _MODULE_KINDS:
+        if isinstance(module, cls):
+            return kind
+    return None
+
+
+def function_kind(fn_name: str) -> str:
+    """Kind of a function or tensor-method call (``'other'`` when unknown)."""
+    return _FUNCTION_KINDS.get(op_name_of(fn_name), "other")
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """True for modules traced as one operator: known op modules, modules declaring
+    ``op_kind``, and any other module from ``torch.nn`` (as torch.fx does)."""
+    if module_kind(module) is not None:
+        return True
+    return type(module).__module__.startswith("torch.nn") and not isinstance(
+        module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    )

@@ -1,0 +1,325 @@
+"""``OpGraph``: one row per operator of a model, built from a traced forward pass.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.graph import trace_graph
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> graph = trace_graph(model, (torch.randn(2, 8),))
+    >>> graph.ops[["kind", "fwd_flops", "depth"]]
+       kind  fwd_flops  depth
+    0    linear        544      0
+    1  activation       32      1
+    2    linear        264      2
+"""
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.graph.fx_tracer import trace_fx
+from qsync_lab.graph.hook_tracer import trace_hooks
+from qsync_lab.graph.kinds import VIEW_KINDS
+from qsync_lab.graph.opcount import count_op
+from qsync_lab.graph.records import OpRecord
+
+_LOSS_ATTR = "loss"
+_MODEL_ATTR = "model"
+
+
+class TracingFallbackWarning(UserWarning):
+    """torch.fx could not trace the model; the hook tracer was used instead."""
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """Operators, data edges and parameters of one forward pass (plus loss, if given).
+
+    Attributes:
+        ops: DataFrame indexed by op FQN (``name``), in execution order, with columns
+            ``kind, target, input_shapes, input_dtypes, output_shapes, output_dtypes,
+            weight_shapes, params, inputs, fwd_flops, bwd_input_flops, bwd_weight_flops,
+            bytes_read, bytes_written, saved_bytes, depth``.
+        edges: DataFrame ``(src, dst)`` of data edges between ops.
+        params: DataFrame indexed by parameter FQN: ``shape, dtype, numel, bytes,
+            requires_grad, first_op`` (the first op that reads it), in
+            ``model.parameters()`` order.
+        traced_with: ``"fx"`` or ``"hooks"``.
+        saved_bytes_by_device: bytes autograd keeps for backward, per device type (see
+            :meth:`saved_activation_bytes`).
+
+    The per-op ``saved_bytes`` column follows CUDA's kernels.
+    """
+
+    ops: pd.DataFrame
+    edges: pd.DataFrame
+    params: pd.DataFrame
+    traced_with: str
+    saved_bytes_by_device: dict[str, int]
+
+    def saved_activation_bytes(self, device_type: str = "cuda") -> int:
+        """Bytes autograd keeps for backward in one training step on ``device_type``
+        (``"cuda"`` or ``"cpu"``: they differ in dropout's mask), each stored tensor
+        counted once even when several ops save it or a view of it."""
+        if device_type not in self.saved_bytes_by_device:
+            raise QSyncError(f"unknown device type {device_type!r}; choose one of: "
+                             f"{', '.join(self.saved_bytes_by_device)}")
+        return self.saved_bytes_by_device[device_type]
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    def totals(self) -> pd.Series:
+        """Sums over all ops of the FLOP and byte columns, plus the parameter count."""
+        cols = ["fwd_flops", "bwd_input_flops", "bwd_weight_flops", "bytes_read",
+                "bytes_written"]
+        out = self.ops[cols].sum()
+        out["param_count"] = int(self.params["numel"].sum())
+        out["param_bytes"] = int(self.params["bytes"].sum())
+        out["saved_activation_bytes"] = self.saved_activation_bytes()
+        return out.astype("int64")
+
+    def kind_summary(self) -> pd.DataFrame:
+        """Per op kind: count and summed forward/backward GFLOPs."""
+        g = self.ops.groupby("kind", sort=True)
+        out = pd.DataFrame({
+            "ops": g.size(),
+            "fwd_gflops": g["fwd_flops"].sum() / 1e9,
+            "bwd_gflops": (g["bwd_input_flops"].sum() + g["bwd_weight_flops"].sum()) / 1e9,
+        })
+        return out.sort_values("fwd_gflops", ascending=False)
+
+    def fingerprint(self) -> str:
+        """Hash of op FQNs, kinds and shapes: plans record it to detect another model."""
+        h = hashlib.sha256()
+        for name, row in self.ops.iterrows():
+            h.update(f"{name}|{row['kind']}|{row['input_shapes']}|{row['weight_shapes']}\n"
+                     .encode())
+        return h.hexdigest()[:16]
+
+
+def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None = None,
+                loss_fn: nn.Module | None = None, method: str = "auto") -> OpGraph:
+    """Trace ``model`` on ``example_inputs`` into an :class:`OpGraph`.
+
+    Args:
+        model: the module to trace; its parameters and buffers are left unchanged.
+        example_inputs: a tensor or a tuple of tensors passed to ``model``.
+        target: with ``loss_fn``, traces ``loss_fn(model(*inputs), target)`` so the graph
+            ends in a ``loss`` op.
+        loss_fn: a loss module (e.g. ``nn.CrossEntropyLoss()``).
+        method: ``"auto"`` (torch.fx, falling back to hooks with a
+            :class:`TracingFallbackWarning`), ``"fx"`` or ``"hooks"``.
+
+    Example::
+
+        >>> import torch, torch.nn as nn
+        >>> g = trace_graph(nn.Linear(4, 2), torch.randn(3, 4),
+        ...                 target=torch.tensor([0, 1, 1]), loss_fn=nn.CrossEntropyLoss())
+        >>> list(g.ops.index), g.traced_with
+        (['linear', 'loss'], 'fx')
+    """
+    if not isinstance(model, nn.Module):
+        raise QSyncError(f"expected a torch.nn.Module to trace, got {type(model).__name__}; "
+                         "pass the model object itself")
+    if method not in ("auto", "fx", "hooks"):
+        raise QSyncError(f"unknown tracing method {method!r}; choose auto, fx or hooks")
+    inputs = _as_input_tuple(example_inputs)
+    if (target is None) != (loss_fn is None):
+        raise QSyncError("give both target and loss_fn to trace the loss, or neither")
+    root = model
+    if loss_fn is not None:
+        root = _with_loss(model, loss_fn, len(inputs))
+        inputs = (*inputs, target)
+    with _state_preserved(model), torch.no_grad():
+        records, traced_with = _trace(root, inputs, method)
+    if loss_fn is not None:
+        records = [_strip_wrapper(rec) for rec in records]
+    return _build(records, model, traced_with)
+
+
+def _trace(root: nn.Module, inputs: tuple, method: str) -> tuple[list[OpRecord], str]:
+    if method == "hooks":
+        return trace_hooks(root, inputs), "hooks"
+    try:
+        return trace_fx(root, inputs), "fx"
+    except Exception as err:  # fx raises many types for untraceable code
+        if method == "fx":
+            raise QSyncError(f"torch.fx cannot trace {type(root).__name__}: "
+                             f"{_one_line(err)}; use method='hooks'") from err
+        warnings.warn(f"torch.fx cannot trace {type(root).__name__} ({_one_line(err)}); "
+                      "recorded the ops with module hooks instead", TracingFallbackWarning,
+                      stacklevel=3)
+        return trace_hooks(root, inputs), "hooks"
+
+
+class _WithLoss(nn.Module):
+    """``loss_fn(model(*inputs), target)`` as one module, so the loss is traced too."""
+
+    def __init__(self, model: nn.Module, loss_fn: nn.Module) -> None:
+        super().__init__()
+        setattr(self, _MODEL_ATTR, model)
+        setattr(self, _LOSS_ATTR, loss_fn)
+
+
+def _with_loss(model: nn.Module, loss_fn: nn.Module, num_inputs: int) -> nn.Module:
+    """A ``_WithLoss`` whose forward takes exactly ``num_inputs`` inputs and the target
+    (torch.fx needs named positional arguments; it cannot unpack ``*args``)."""
+    names = ", ".join(f"x{i}" for i in range(num_inputs))
+    source = (f"def forward(self, {names}, target):\n"
+              f"    return self.{_LOSS_ATTR}(self.{_MODEL_ATTR}({names}), target)\n")
+    namespace: dict = {}
+    exec(source, namespace)  # noqa: S102 - fixed template, no user text
+    cls = type("_WithLoss", (_WithLoss,), {"forward": namespace["forward"]})
+    return cls(model, loss_fn)
+
+
+def _strip_wrapper(rec: OpRecord) -> OpRecord:
+    """Drop the ``model.`` prefix that tracing through ``_WithLoss`` adds."""
+    prefix = f"{_MODEL_ATTR}."
+
+    def strip(name: str | None) -> str | None:
+        return name[len(prefix):] if name and name.startswith(prefix) else name
+
+    rec.name = strip(rec.name)
+    rec.input_ops = [strip(n) for n in rec.input_ops]
+    rec.params = [(strip(n), m) for n, m in rec.params]
+    return rec
+
+
+def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGraph:
+    if not records:
+        raise QSyncError(f"{type(model).__name__} ran no operators on the example inputs; "
+                         "check that forward() uses its inputs")
+    counts = {rec.name: count_op(rec) for rec in records}
+    depth = _depths(records)
+    rows = []
+    for rec in records:
+        c = counts[rec.name]
+        rows.append({
+            "name": rec.name,
+            "kind": rec.kind,
+            "target": rec.target,
+            "input_shapes": tuple(t.shape for t in rec.inputs),
+            "input_dtypes": tuple(str(t.dtype).removeprefix("torch.") for t in rec.inputs),
+            "output_shapes": tuple(t.shape for t in rec.outputs),
+            "output_dtypes": tuple(str(t.dtype).removeprefix("torch.") for t in rec.outputs),
+            "weight_shapes": tuple(m.shape for _, m in rec.params),
+            "params": tuple(n for n, _ in rec.params),
+            "inputs": tuple(dict.fromkeys(n for n in rec.input_ops if n is not None)),
+            "fwd_flops": c.fwd_flops,
+            "bwd_input_flops": c.bwd_input_flops,
+            "bwd_weight_flops": c.bwd_weight_flops,
+            "bytes_read": c.bytes_read,
+            "bytes_written": c.bytes_written,
+            "saved_bytes": c.saved_bytes,
+            "depth": depth[rec.name],
+        })
+    ops = pd.DataFrame(rows).set_index("name")
+    edges = pd.DataFrame([(src, dst) for dst, row in ops.iterrows() for src in row["inputs"]],
+                         columns=["src", "dst"])
+    saved = {device: _saved_activation_bytes(records, device) for device in ("cuda", "cpu")}
+    return OpGraph(ops, edges, _param_table(model, records), traced_with, saved)
+
+
+def _depths(records: list[OpRecord]) -> dict[str, int]:
+    """Forward depth: the number of non-view ops on the longest path from the inputs.
+
+    QSync uses this to weight forward error by what lies downstream and backward error by
+    what lies upstream; view ops (reshape, transpose, getitem) add no depth.
+    """
+    kind = {rec.name: rec.kind for rec in records}
+    depth: dict[str, int] = {}
+    for rec in records:  # records are in execution (topological) order
+        preds = [p for p in rec.input_ops if p is not None and p in depth]
+        depth[rec.name] = max(
+            (depth[p] + (0 if kind[p] in VIEW_KINDS else 1) for p in preds), default=0)
+    return depth
+
+
+def _saved_activation_bytes(records: list[OpRecord], device_type: str) -> int:
+    """Bytes autograd keeps for backward, a tensor saved by several ops counted once.
+
+    A saved input is identified by the op that stored its data, looking through views:
+    a ReLU's output saved by the ReLU and, flattened, by the next Linear is one tensor, and
+    a saved view keeps its producer's whole output alive.
+    """
+    by_name = {rec.name: rec for rec in records}
+
+    def storage_owner(name: str | None) -> str | None:
+        while name is not None and by_name[name].kind in VIEW_KINDS and by_name[name].input_ops:
+            name = by_name[name].input_ops[0]
+        return name
+
+    stored: dict[object, int] = {}
+    total_extra = 0
+    for rec in records:
+        c = count_op(rec, device_type)
+        for i in c.saved_inputs:
+            owner = storage_owner(rec.input_ops[i])
+            if owner is None:  # a graph input (data, labels)
+                stored[("input", rec.name, i)] = rec.inputs[i].nbytes
+            else:
+                stored[owner] = by_name[owner].outputs[0].nbytes
+        if rec.kind in ("activation", "softmax"):  # saves its own output
+            stored[rec.name] = c.saved_extra_bytes
+        else:
+            total_extra += c.saved_extra_bytes
+    return sum(stored.values()) + total_extra
+
+
+def _param_table(model: nn.Module, records: list[OpRecord]) -> pd.DataFrame:
+    first_op: dict[str, str] = {}
+    for rec in records:
+        for name, _ in rec.params:
+            first_op.setdefault(name, rec.name)
+    rows = [{
+        "param": name,
+        "shape": tuple(p.shape),
+        "dtype": str(p.dtype).removeprefix("torch."),
+        "numel": p.numel(),
+        "bytes": p.numel() * p.element_size(),
+        "requires_grad": p.requires_grad,
+        "first_op": first_op.get(name),
+    } for name, p in model.named_parameters()]
+    columns = ["param", "shape", "dtype", "numel", "bytes", "requires_grad", "first_op"]
+    return pd.DataFrame(rows, columns=columns).set_index("param")
+
+
+def _as_input_tuple(example_inputs) -> tuple[torch.Tensor, ...]:
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise QSyncError("example_inputs must be a tensor or a non-empty tuple of tensors, "
+                         f"got {type(example_inputs).__name__}")
+    return tuple(inputs)
+
+
+class _state_preserved:
+    """Context manager restoring buffers (BatchNorm running stats) and train/eval flags."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self):
+        self.buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self.modes = {n: m.training for n, m in self.model.named_modules()}
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for n, b in self.model.named_buffers():
+                b.copy_(self.buffers[n])
+        for n, m in self.model.named_modules():
+            m.training = self.modes[n]
+        return False
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -1,0 +1,14 @@
+"""Figure factories: each returns a ``plotly.graph_objects.Figure`` and never shows it.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.graph import trace_graph
+    >>> fig = plot_flops_by_kind(trace_graph(nn.Linear(4, 2), torch.randn(3, 4)))
+    >>> [trace.name for trace in fig.data]
+    ['forward', 'input gradient', 'weight gradient']
+"""
+
+from qsync_lab.viz.graph_figures import plot_buckets, plot_flops_by_kind
+
+__all__ = ["plot_buckets", "plot_flops_by_kind"]

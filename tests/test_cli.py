@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from qsync_lab.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_graph_prints_the_operator_table_and_writes_csv(capsys, tmp_path):
+    csv = tmp_path / "ops.csv"
+    code, out, _ = run(capsys, "graph", "--model", "digits_cnn", "--batch", "4", "--rows", "3",
+                       "--csv", str(csv))
+    assert code == 0
+    assert "digits_cnn: 12 operators, 38,378 parameters, traced with fx" in out
+    assert "conv1" in out and "... 9 more operators" in out
+    table = pd.read_csv(csv, index_col="name")
+    assert len(table) == 12 and table.loc["conv1", "kind"] == "conv2d"
+    assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temp file
+
+
+def test_cluster_prints_summary(capsys):
+    code, out, _ = run(capsys, "cluster", "qsync-paper")
+    assert code == 0
+    assert "qsync-paper: 32 ranks on 4 nodes" in out
+    assert "16 x T4" in out and "V100-SXM2-32GB" in out
+
+
+def test_models_and_clusters_list_everything(capsys):
+    _, models, _ = run(capsys, "models")
+    _, clusters, _ = run(capsys, "clusters")
+    assert {"resnet50", "bert_base", "digits_cnn"} <= {line.split()[0] for line in
+                                                        models.splitlines()}
+    assert "local-hybrid" in clusters and "qsync-paper" in clusters
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["graph", "--model", "resnet5"], "unknown model 'resnet5'"),
+    (["graph", "--model", "digits_mlp", "--batch", "0"], "--batch must be a positive integer"),
+    (["cluster", "no-such-cluster"], "unknown cluster 'no-such-cluster'"),
+])
+def test_bad_input_is_one_line_on_stderr_with_exit_code_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("qsync-lab: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_console_script_entry_point_runs_the_demo():
+    result = subprocess.run([sys.executable, "-m", "qsync_lab", "demo", "--model", "bert_mini"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "bert_mini: 123 operators" in result.stdout
+    assert "DDP gradient buckets" in result.stdout
+    assert "qsync-paper: 32 ranks" in result.stdout
