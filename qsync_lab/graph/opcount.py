@@ -50,7 +50,7 @@ ELEMENTWISE_FLOPS = {
     "loss": (4, 2),
 }
 
-_TRANSCENDENTAL = ("gelu", "tanh", "sigmoid", "silu", "elu", "mish", "softplus")
+_TRANSCENDENTAL = frozenset({"gelu", "tanh", "sigmoid", "silu", "elu", "mish", "softplus"})
 _GEMM_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"})
 
 
@@ -102,7 +102,7 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     if rec.kind in ("copy", "factory", "other"):
         return 0, 0, 0, (), 0
     kind = rec.kind
-    if kind == "activation" and any(n in rec.target.lower() for n in _TRANSCENDENTAL):
+    if kind == "activation" and _short_name(rec.target) in _TRANSCENDENTAL:
         kind = "transcendental"
     per_fwd, per_bwd = ELEMENTWISE_FLOPS[kind]
     fwd, bwd = per_fwd * out_numel, per_bwd * out_numel
@@ -123,6 +123,11 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     if kind == "add":
         return fwd, 0, 0, (), 0
     return fwd, bwd, 0, (0,) if rec.inputs else (), 0  # other element-wise math
+
+
+def _short_name(target: str) -> str:
+    """``torch.nn.modules.activation.GELU`` -> ``gelu``; ``gelu_`` -> ``gelu``."""
+    return target.rsplit(".", 1)[-1].lower().strip("_")
 
 
 def _count_gemm(rec: OpRecord, out_numel: int) -> tuple[int, int, int, tuple[int, ...], int]:

@@ -6,11 +6,12 @@ Example::
     >>> from qsync_lab.graph import trace_graph
     >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     >>> graph = trace_graph(model, (torch.randn(2, 8),))
-    >>> graph.ops[["kind", "fwd_flops", "depth"]]
-       kind  fwd_flops  depth
-    0    linear        544      0
-    1  activation       32      1
-    2    linear        264      2
+    >>> print(graph.ops[["kind", "fwd_flops", "depth"]].to_string())
+            kind  fwd_flops  depth
+    name                              
+    0         linear        544      0
+    1     activation         32      1
+    2         linear        264      2
 """
 
 import hashlib
@@ -140,7 +141,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
     with _state_preserved(model), torch.no_grad():
         records, traced_with = _trace(root, inputs, method)
     if loss_fn is not None:
-        records = [_strip_wrapper(rec) for rec in records]
+        records = [_strip_wrapper(rec, model) for rec in records]
     return _build(records, model, traced_with)
 
 
@@ -180,11 +181,14 @@ def _with_loss(model: nn.Module, loss_fn: nn.Module, num_inputs: int) -> nn.Modu
     return cls(model, loss_fn)
 
 
-def _strip_wrapper(rec: OpRecord) -> OpRecord:
-    """Drop the ``model.`` prefix that tracing through ``_WithLoss`` adds."""
+def _strip_wrapper(rec: OpRecord, model: nn.Module) -> OpRecord:
+    """Drop the ``model.`` prefix that tracing through ``_WithLoss`` adds (a model that is
+    itself one op module, e.g. a bare ``nn.Linear``, is named after its class)."""
     prefix = f"{_MODEL_ATTR}."
 
     def strip(name: str | None) -> str | None:
+        if name == _MODEL_ATTR:
+            return type(model).__name__.lower()
         return name[len(prefix):] if name and name.startswith(prefix) else name
 
     rec.name = strip(rec.name)

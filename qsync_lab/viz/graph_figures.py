@@ -17,7 +17,7 @@ def plot_flops_by_kind(graph, *, title: str | None = None) -> go.Figure:
         >>> from qsync_lab.graph import trace_graph
         >>> fig = plot_flops_by_kind(trace_graph(nn.Linear(4, 2), torch.randn(3, 4)))
         >>> list(fig.data[0].x), list(fig.data[0].y)
-        [['linear'], [5.4e-08]]
+        (['linear'], [5.4e-08])
     """
     per_kind = graph.ops.groupby("kind")[[col for col, _ in _PASSES]].sum()
     per_kind = per_kind[per_kind.sum(axis=1) > 0]

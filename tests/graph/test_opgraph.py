@@ -5,7 +5,7 @@ import torch.nn as nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import TracingFallbackWarning, trace_graph
 
-from models import TinyEncoder, DataDependent, Residual, cnn, mlp
+from sample_models import TinyEncoder, DataDependent, Residual, cnn, mlp
 
 
 def op(graph, name):
@@ -172,3 +172,17 @@ def test_fingerprint_tells_models_apart():
     assert trace_graph(mlp(), x).fingerprint() == trace_graph(mlp(), x).fingerprint()
     other = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     assert trace_graph(other, x).fingerprint() != trace_graph(mlp(), x).fingerprint()
+
+
+def test_activation_costs_follow_the_function_not_a_substring():
+    # "relu" contains "elu": ReLU must still cost 1 FLOP per element, GELU/ELU 8
+    model = nn.Sequential(nn.ReLU(), nn.GELU(), nn.ELU(), nn.Tanh())
+    g = trace_graph(model, torch.randn(4, 8))
+    assert g.ops["fwd_flops"].tolist() == [32, 8 * 32, 8 * 32, 8 * 32]
+    assert g.ops["saved_bytes"].tolist() == [128] * 4  # each keeps a 4x8 fp32 tensor
+
+
+def test_single_module_model_with_loss_is_named_after_its_class():
+    g = trace_graph(nn.Linear(4, 2), torch.randn(3, 4), target=torch.tensor([0, 1, 1]),
+                    loss_fn=nn.CrossEntropyLoss())
+    assert list(g.ops.index) == ["linear", "loss"]
