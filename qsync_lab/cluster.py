@@ -30,14 +30,13 @@ from qsync_lab.devices import (
     DeviceCatalog,
     DeviceSpec,
     LinkSpec,
-    TomlTable,
     load_catalog,
     parse_link,
-    read_toml,
 )
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
 from qsync_lab.resources import data_file
+from qsync_lab.tomlfile import TomlTable, read_toml
 
 __all__ = ["Cluster", "RankSpec", "list_clusters", "load_cluster"]
 

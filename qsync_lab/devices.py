@@ -20,11 +20,9 @@ import functools
 import math
 import os
 import re
-import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
-from pathlib import Path
 from types import MappingProxyType
 from typing import Literal, TypeVar
 
@@ -33,6 +31,7 @@ import pandas as pd
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
 from qsync_lab.resources import data_file
+from qsync_lab.tomlfile import TomlTable, read_toml
 
 __all__ = ["DeviceCatalog", "DeviceSpec", "LinkSpec", "load_catalog"]
 
@@ -43,124 +42,9 @@ BYTES_PER_GB = 1e9
 FLOPS_PER_TFLOPS = 1e12
 US_PER_SECOND = 1e6
 
-_REQUIRED = object()  # marks a TOML key without a default
 _CC_PATTERN = re.compile(r"\d+\.\d+")
 _Spec = TypeVar("_Spec")
 
-
-@dataclass(frozen=True)
-class TomlTable:
-    """A table read from a TOML file that knows where it came from, for one-line errors.
-
-    The typed getters raise :class:`QSyncError` naming the file and the dotted key, e.g.
-    ``devices.toml: device.T4.memory_gib: expected a positive number, got 'x'``.
-
-    Attributes:
-        data: the parsed table.
-        file: the file it was read from, as shown in messages.
-        key: dotted key of this table inside the file ("" for the whole document).
-    """
-
-    data: Mapping[str, object]
-    file: str
-    key: str = ""
-
-    def where(self, name: str | None = None) -> str:
-        """``"<file>: <dotted key>"`` of this table, or of its entry ``name``."""
-        key = self._child_key(name) if name is not None else self.key
-        return f"{self.file}: {key}" if key else self.file
-
-    def error(self, message: str, name: str | None = None) -> QSyncError:
-        """A one-line QSyncError about this table (or its entry ``name``)."""
-        return QSyncError(" ".join(f"{self.where(name)}: {message}".split()))
-
-    def value(
-        self,
-        name: str,
-        expected: str,
-        ok: Callable[[object], bool],
-        default: object = _REQUIRED,
-    ) -> object:
-        """Entry ``name`` if ``ok(entry)``; ``default`` if absent (required when not given)."""
-        if name not in self.data:
-            if default is _REQUIRED:
-                raise self.error(f"missing; expected {expected}", name)
-            return default
-        found = self.data[name]
-        if not ok(found):
-            raise self.error(f"expected {expected}, got {_show(found)}", name)
-        return found
-
-    def string(self, name: str, default: object = _REQUIRED) -> str:
-        """A non-empty string entry."""
-        return self.value(name, "a non-empty string", _is_text, default)
-
-    def number(self, name: str, *, allow_zero: bool = False) -> float:
-        """A finite positive (or, with ``allow_zero``, non-negative) number entry."""
-        if allow_zero:
-            return float(self.value(name, "a number >= 0", lambda v: _is_number(v) and v >= 0))
-        return float(self.value(name, "a positive number", lambda v: _is_number(v) and v > 0))
-
-    def positive_int(self, name: str, default: object = _REQUIRED) -> int:
-        """A positive integer entry (booleans and floats are refused)."""
-        return self.value(name, "a positive integer", _is_positive_int, default)
-
-    def table(self, name: str, default: Mapping[str, object] | object = _REQUIRED) -> "TomlTable":
-        """The sub-table ``name`` (``default``, e.g. ``{}``, when absent)."""
-        data = self.value(name, "a table", lambda v: isinstance(v, Mapping), default)
-        return TomlTable(data, self.file, self._child_key(name))
-
-    def tables(self, name: str) -> list["TomlTable"]:
-        """The non-empty array of tables ``name``, each knowing its ``name[i]`` key."""
-        items = self.value(
-            name,
-            "a non-empty array of tables",
-            lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, Mapping) for t in v),
-        )
-        return [
-            TomlTable(item, self.file, self._child_key(name, index))
-            for index, item in enumerate(items)
-        ]
-
-    def subtables(self) -> dict[str, "TomlTable"]:
-        """Every entry of this table, each of which must itself be a table."""
-        return {name: self.table(name) for name in self.data}
-
-    def check_keys(self, allowed: Iterable[str]) -> None:
-        """Raise QSyncError naming the first key of this table that is not in ``allowed``."""
-        allowed = set(allowed)
-        unknown = sorted(set(self.data) - allowed)
-        if unknown:
-            expected = ", ".join(sorted(allowed))
-            raise self.error(f"unknown key; expected one of: {expected}", unknown[0])
-
-    def _child_key(self, name: str, index: int | None = None) -> str:
-        key = f"{self.key}.{name}" if self.key else str(name)
-        return key if index is None else f"{key}[{index}]"
-
-
-def read_toml(source: "Traversable | str | os.PathLike[str]") -> TomlTable:
-    """Parse a TOML file into a :class:`TomlTable`, turning every failure into a QSyncError.
-
-    Example::
-
-        >>> from qsync_lab.resources import data_file
-        >>> read_toml(data_file("links.toml")).data["schema_version"]
-        1
-    """
-    path = Path(source) if isinstance(source, str | os.PathLike) else source
-    document = TomlTable({}, str(path))
-    try:
-        text = path.read_bytes().decode("utf-8")
-        return TomlTable(tomllib.loads(text), document.file)
-    except FileNotFoundError:
-        raise document.error("no such file; check the path") from None
-    except OSError as err:
-        raise document.error(f"cannot read: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise document.error("invalid TOML: not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as err:
-        raise document.error(f"invalid TOML: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -502,22 +386,8 @@ def _format_cc(cc: tuple[int, int] | None) -> str | None:
     return None if cc is None else f"{cc[0]}.{cc[1]}"
 
 
-def _is_text(value: object) -> bool:
-    return isinstance(value, str) and bool(value.strip())
-
 
 def _is_current_schema(value: object) -> bool:
     return type(value) is int and value == SCHEMA_VERSION
 
 
-def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _show(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
