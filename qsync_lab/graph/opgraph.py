@@ -44,7 +44,7 @@ class OpGraph:
     Attributes:
         ops: DataFrame indexed by op FQN (``name``), in execution order, with columns
             ``kind, target, input_shapes, input_dtypes, output_shapes, output_dtypes,
-            weight_shapes, params, inputs, fwd_flops, bwd_input_flops, bwd_weight_flops,
+            weight_shapes, weight_dtypes, params, inputs, fwd_flops, bwd_input_flops, bwd_weight_flops,
             bytes_read, bytes_written, saved_bytes, depth``.
         edges: DataFrame ``(src, dst)`` of data edges between ops.
         params: DataFrame indexed by parameter FQN: ``shape, dtype, numel, bytes,
@@ -215,6 +215,7 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
             "output_shapes": tuple(t.shape for t in rec.outputs),
             "output_dtypes": tuple(str(t.dtype).removeprefix("torch.") for t in rec.outputs),
             "weight_shapes": tuple(m.shape for _, m in rec.params),
+            "weight_dtypes": tuple(str(m.dtype).removeprefix("torch.") for _, m in rec.params),
             "params": tuple(n for n, _ in rec.params),
             "inputs": tuple(dict.fromkeys(n for n in rec.input_ops if n is not None)),
             "fwd_flops": c.fwd_flops,

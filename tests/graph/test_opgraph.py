@@ -25,6 +25,8 @@ def test_conv2d_flops_match_hand_count():
     assert conv["bwd_input_flops"] == 2 * macs
     assert conv["bwd_weight_flops"] == 2 * macs + out
     assert conv["weight_shapes"] == ((8, 3, 3, 3), (8,))
+    assert conv["weight_dtypes"] == ("float32", "float32")
+    assert conv["input_dtypes"] == ("float32",) and conv["params"] == ("1.weight", "1.bias")
 
 
 def test_linear_on_3d_input_and_first_layer_needs_no_input_grad():
