@@ -1,0 +1,1 @@
+"""qsync_lab.costs (see the package modules)."""

@@ -1,0 +1,1 @@
+"""qsync_lab.indicator (see the package modules)."""

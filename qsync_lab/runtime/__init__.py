@@ -1,0 +1,1 @@
+"""qsync_lab.runtime (see the package modules)."""

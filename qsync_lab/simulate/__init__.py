@@ -1,0 +1,1 @@
+"""qsync_lab.simulate (see the package modules)."""
