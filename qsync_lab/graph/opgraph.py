@@ -28,6 +28,7 @@ from qsync_lab.graph.hook_tracer import trace_hooks
 from qsync_lab.graph.kinds import VIEW_KINDS
 from qsync_lab.graph.opcount import count_op
 from qsync_lab.graph.records import OpRecord
+from qsync_lab.modelstate import preserved_state
 
 _LOSS_ATTR = "loss"
 _MODEL_ATTR = "model"
@@ -138,7 +139,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
     if loss_fn is not None:
         root = _with_loss(model, loss_fn, len(inputs))
         inputs = (*inputs, target)
-    with _state_preserved(model), torch.no_grad():
+    with preserved_state(model), torch.no_grad():
         records, traced_with = _trace(root, inputs, method)
     if loss_fn is not None:
         records = [_strip_wrapper(rec, model) for rec in records]
@@ -303,26 +304,6 @@ def _as_input_tuple(example_inputs) -> tuple[torch.Tensor, ...]:
         raise QSyncError("example_inputs must be a tensor or a non-empty tuple of tensors, "
                          f"got {type(example_inputs).__name__}")
     return tuple(inputs)
-
-
-class _state_preserved:
-    """Context manager restoring buffers (BatchNorm running stats) and train/eval flags."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self):
-        self.buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        self.modes = {n: m.training for n, m in self.model.named_modules()}
-        return self
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for n, b in self.model.named_buffers():
-                b.copy_(self.buffers[n])
-        for n, m in self.model.named_modules():
-            m.training = self.modes[n]
-        return False
 
 
 def _one_line(err: BaseException) -> str:

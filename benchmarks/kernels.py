@@ -1,0 +1,145 @@
+"""Throughput of the quantization kernels beside memory bandwidth and torch equivalents.
+
+Run: ``.venv/bin/python benchmarks/kernels.py [--elements 67108864] [--repeats 5]``
+
+For each routine on a float32 input of ``--elements`` elements it prints GB/s of bytes read
+plus bytes written (counted per element in the ``B/elem`` column; fused routines count every
+pass, e.g. abs-max + quantize reads the input twice), the STREAM-like copy bandwidth measured
+in the same run, the percentage of it, the closest torch equivalent's GB/s (same byte count)
+and our speed-up over it. Times are medians of ``--repeats`` runs after one warm-up. The CPU
+table always runs; a second table for CUDA tensors runs when CUDA is available.
+"""
+
+import os
+
+# torch's OpenMP workers spin after each op and steal the cores from Numba's pool; let them sleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import statistics
+import time
+import warnings
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+from qsync_lab import kernels as K  # noqa: E402
+
+
+@njit(parallel=True)
+def _copy(src, dst):
+    for i in prange(src.size):
+        dst[i] = src[i]
+
+
+def _median_s(fn, repeats, sync):
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _routines(x):
+    """(name, bytes per element, ours, torch equivalent or None)."""
+    amax = float(x.abs().max())
+    scale = torch.tensor(amax / 127)
+    codes = K.quantize_int8(x).codes
+    inv = 127 / amax
+
+    def torch_quant():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.quantize_per_tensor(x, amax / 127, 0, torch.qint8)
+
+    def torch_amax_quant():
+        s = float(x.abs().amax()) / 127
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.quantize_per_tensor(x, s, 0, torch.qint8)
+
+    return [
+        ("absmax", 4, lambda: K.absmax(x), lambda: x.abs().amax()),
+        ("int8 quantize, given scale (+NaN pass)", 9,
+         lambda: K.quantize_int8(x, scale=scale), torch_quant),
+        ("int8 absmax+quantize (RNE)", 9, lambda: K.quantize_int8(x), torch_amax_quant),
+        ("int8 absmax+quantize (stochastic)", 9,
+         lambda: K.quantize_int8(x, rounding="stochastic"),
+         lambda: torch.clamp(torch.floor(x * (127 / float(x.abs().amax())) + torch.rand_like(x)),
+                             -127, 127).to(torch.int8)),
+        ("int8 dequantize", 5, lambda: K.dequantize_int8(codes, scale),
+         lambda: codes.float() * scale),
+        ("int8 fake-quantize + stats", 12, lambda: K.fake_quantize_int8(x),
+         lambda: torch.fake_quantize_per_tensor_affine(x, float(x.abs().amax()) / 127, 0,
+                                                        -127, 127)),
+        ("cast fp32->fp16", 6, lambda: K.float_encode(x, "fp16"), lambda: x.to(torch.float16)),
+        ("cast fp32->bf16", 6, lambda: K.float_encode(x, "bf16"), lambda: x.to(torch.bfloat16)),
+        ("cast fp32->fp8 e4m3", 5, lambda: K.float_encode(x, "fp8_e4m3"),
+         lambda: x.to(torch.float8_e4m3fn)),
+        ("cast fp32->fp8 e5m2", 5, lambda: K.float_encode(x, "fp8_e5m2"),
+         lambda: x.to(torch.float8_e5m2)),
+        ("fake cast e4m3 (fp32 out)", 8, lambda: K.float_round(x, "fp8_e4m3"),
+         lambda: x.to(torch.float8_e4m3fn).float()),
+        ("APS e5m2 quantize (given shift)", 8, lambda: K.aps_quantize(x, 3, (5, 2)),
+         lambda: (x * 8).to(torch.float8_e5m2).float()),
+        ("Global-QSGD std encode (+check)", 9,
+         lambda: K.global_qsgd_encode(x, amax, 4, seed=1),
+         lambda: torch.clamp(torch.floor(x * (31 * inv / 127) + torch.rand_like(x)),
+                             -31, 31).to(torch.int8)),
+        ("QSGD s=15 encode (norm+quant)", 9, lambda: K.qsgd_encode(x, 15, seed=1),
+         lambda: torch.clamp(torch.floor(x * (15 / float(torch.linalg.vector_norm(x)))
+                                          + torch.rand_like(x)), -15, 15).to(torch.int8)),
+        ("CGX 4-bit B=512 encode", 8.5, lambda: K.cgx_encode(x, 4, 512), None),
+    ]
+
+
+def _table(x, repeats, sync, label):
+    n = x.numel()
+    dst = torch.empty_like(x)
+    if x.is_cuda:
+        copy_s = _median_s(lambda: dst.copy_(x), repeats, sync)
+    else:
+        copy_s = min(
+            _median_s(lambda: dst.copy_(x), repeats, sync),
+            _median_s(lambda: _copy(x.numpy(), dst.numpy()), repeats, sync),
+        )
+    copy_gbs = 8 * n / copy_s / 1e9
+    print(f"\n{label}: {n:,} float32 elements, median of {repeats}; copy = {copy_gbs:.1f} GB/s "
+          "(read + write)")
+    head = f"{'routine':40} {'B/elem':>6} {'ours GB/s':>9} {'copy GB/s':>9} {'% copy':>7} " \
+           f"{'torch GB/s':>10} {'ours/torch':>10}"
+    print(head)
+    print("-" * len(head))
+    for name, bpe, ours, theirs in _routines(x):
+        ours_gbs = bpe * n / _median_s(ours, repeats, sync) / 1e9
+        if theirs is None:
+            t_col, r_col = "-", "-"
+        else:
+            t_gbs = bpe * n / _median_s(theirs, repeats, sync) / 1e9
+            t_col, r_col = f"{t_gbs:.1f}", f"{ours_gbs / t_gbs:.2f}x"
+        print(f"{name:40} {bpe:>6} {ours_gbs:>9.1f} {copy_gbs:>9.1f} "
+              f"{100 * ours_gbs / copy_gbs:>6.0f}% {t_col:>10} {r_col:>10}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", type=int, default=64 * 2**20)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
+    _table(x, args.repeats, lambda: None, "CPU")
+    if torch.cuda.is_available():
+        _table(x.cuda(), args.repeats, torch.cuda.synchronize, f"CUDA ({torch.cuda.get_device_name()})")
+    else:
+        print("\nCUDA: not available, GPU table skipped")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

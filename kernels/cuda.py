@@ -1,0 +1,334 @@
+"""CUDA kernels (``numba.cuda.jit``) with host launchers that mirror ``cpu.py``'s signatures.
+
+Each public function here takes the same arguments as its ``cpu.py`` namesake (device
+arrays on a GPU; NumPy arrays under ``NUMBA_ENABLE_CUDASIM=1``) and launches a grid-stride
+kernel. Reductions use shared memory and one atomic per block (the simulator has no warp
+shuffles). The scalar numerics are the very functions of ``floatfmt.py`` and ``rng.py``
+compiled as device functions; float arithmetic is written so that fused multiply-adds
+cannot change a result (no ``a*b + c`` whose product is inexact), so a GPU matches the CPU
+and the reference bit for bit. Kernels compile on first launch.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda
+from numba.core import config
+
+from . import floatfmt, rng
+
+_device = cuda.jit(device=True)
+_ff = floatfmt.build(_device)
+ff_encode = _ff.encode
+ff_round = _ff.round_bits
+rng_bits = _device(rng.rng_bits)
+
+SIMULATED = bool(config.ENABLE_CUDASIM)
+TPB = 32 if SIMULATED else 256  # threads per block (a power of two)
+MAX_BLOCKS = 2 if SIMULATED else 8192
+SEGMENT = 8 * TPB  # elements per block-step of the abs-max reduction
+_UNIT24 = np.float32(2.0**-24)
+
+
+def _blocks(n):
+    return max(1, min(MAX_BLOCKS, -(-n // TPB)))
+
+
+@_device
+def _block_max(sm, tid):
+    step = TPB // 2
+    while step > 0:
+        if tid < step:
+            sm[tid] = max(sm[tid], sm[tid + step])
+        cuda.syncthreads()
+        step //= 2
+
+
+@_device
+def _block_sum(sm, tid):
+    step = TPB // 2
+    while step > 0:
+        if tid < step:
+            sm[tid] += sm[tid + step]
+        cuda.syncthreads()
+        step //= 2
+
+
+@_device
+def _int8_code(xj, div, qmax, stochastic, key, j):
+    """Code of one element, as in ``reference.quantize`` (v clamped first: same result)."""
+    hi = np.float32(qmax)
+    v = min(max(xj / div, -hi - np.float32(1)), hi + np.float32(1))
+    if stochastic:
+        f = math.floor(v)
+        u = np.float32(rng_bits(key, j) >> 8) * _UNIT24
+        q = f + 1 if u < v - np.float32(f) else f
+    else:
+        q = round(v)
+    return min(max(q, -qmax), qmax)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@cuda.jit
+def _absmax_kernel(xb, mask, inner, nch, out):
+    sm = cuda.shared.array(TPB, dtype=np.int64)
+    tid = cuda.threadIdx.x
+    per_row = -(-inner // SEGMENT)
+    total = (xb.size // inner) * per_row
+    for s in range(cuda.blockIdx.x, total, cuda.gridDim.x):
+        row = s // per_row
+        start = row * inner + (s % per_row) * SEGMENT
+        stop = min(start + SEGMENT, (row + 1) * inner)
+        m = 0
+        for j in range(start + tid, stop, TPB):
+            m = max(m, np.int64(xb[j]) & mask)
+        sm[tid] = m
+        cuda.syncthreads()
+        _block_max(sm, tid)
+        if tid == 0:
+            cuda.atomic.max(out, row % nch, sm[0])
+        cuda.syncthreads()
+
+
+@cuda.jit
+def _absmax_atomic_kernel(xb, mask, inner, nch, out):
+    for j in range(cuda.grid(1), xb.size, cuda.gridsize(1)):
+        v = np.int64(xb[j]) & mask
+        if v > 0:
+            cuda.atomic.max(out, (j // inner) % nch, v)
+
+
+@cuda.jit
+def _quantize_kernel(x, scales, inner, nch, qmax, stochastic, key, out):
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        s = scales[(j // inner) % nch]
+        div = s if s > 0 else np.float32(1)
+        out[j] = _int8_code(x[j], div, qmax, stochastic, key, j)
+
+
+@cuda.jit
+def _dequantize_kernel(q, scales, inner, nch, out):
+    for j in range(cuda.grid(1), q.size, cuda.gridsize(1)):
+        out[j] = np.float32(q[j]) * scales[(j // inner) % nch]
+
+
+@cuda.jit
+def _fake_quantize_kernel(x, scales, inner, nch, stochastic, key, out_fmt, out, sse):
+    sm = cuda.shared.array(TPB, dtype=np.float64)
+    tid = cuda.threadIdx.x
+    reround = out_fmt[1] < 23
+    acc = 0.0
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        s = scales[(j // inner) % nch]
+        div = s if s > 0 else np.float32(1)
+        y = np.float32(_int8_code(x[j], div, 127, stochastic, key, j)) * s
+        if reround:
+            y = np.uint32(ff_round(np.float32(y).view(np.uint32), out_fmt)).view(np.float32)
+        out[j] = y
+        d = np.float64(y) - np.float64(x[j])
+        acc += d * d
+    sm[tid] = acc
+    cuda.syncthreads()
+    _block_sum(sm, tid)
+    if tid == 0:
+        cuda.atomic.add(sse, 0, sm[0])
+
+
+@cuda.jit
+def _float_encode_kernel(xb, fmt, out):
+    for j in range(cuda.grid(1), xb.size, cuda.gridsize(1)):
+        out[j] = ff_encode(xb[j], fmt)
+
+
+@cuda.jit
+def _float_round_kernel(x, xb, p1, p2, fmt, out):
+    prescale = p1 != 1 or p2 != 1
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        if prescale:
+            out[j] = ff_round(np.float32(x[j] * p1 * p2).view(np.uint32), fmt)
+        else:
+            out[j] = ff_round(xb[j], fmt)
+
+
+@cuda.jit
+def _sum_squares_kernel(x, out):
+    sm = cuda.shared.array(TPB, dtype=np.float64)
+    tid = cuda.threadIdx.x
+    acc = 0.0
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        d = np.float64(x[j])
+        acc += d * d
+    sm[tid] = acc
+    cuda.syncthreads()
+    _block_sum(sm, tid)
+    if tid == 0:
+        cuda.atomic.add(out, 0, sm[0])
+
+
+@cuda.jit
+def _exp_dither_encode_kernel(x, xb, m, key, out):
+    div = m if m > 0 else np.float32(1)
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        r = np.float32(abs(x[j]) / div)
+        rb = np.int64(r.view(np.uint32))
+        eb = rb >> 23
+        up = (rng_bits(key, j) >> 8) < 2 * (rb & 0x7FFFFF)
+        if eb >= 127:
+            code = 1
+        elif eb >= 1:
+            code = 128 - eb - (1 if up else 0)
+        else:
+            code = 127 if up else 0
+        if m <= 0:
+            code = 0
+        if code > 0 and (np.int64(xb[j]) >> 31) != 0:
+            code = code | 0x80
+        out[j] = code
+
+
+@cuda.jit
+def _exp_dither_decode_kernel(codes, m, out):
+    for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
+        c = np.int64(codes[j])
+        k = (c & 0x7F) - 1
+        val = np.float32(0)
+        if k >= 0:
+            val = m * np.uint32(max(127 - k, 1) << 23).view(np.float32)
+        out[j] = -val if c & 0x80 else val
+
+
+@cuda.jit
+def _cgx_meta_kernel(x, bucket, levels, meta):
+    smin = cuda.shared.array(TPB, dtype=np.float32)
+    smax = cuda.shared.array(TPB, dtype=np.float32)
+    tid = cuda.threadIdx.x
+    n = x.size
+    for g in range(cuda.blockIdx.x, meta.shape[0], cuda.gridDim.x):
+        start = g * bucket
+        stop = min(n, start + bucket)
+        mn = x[start]
+        mx = x[start]
+        for j in range(start + tid, stop, TPB):
+            mn = min(mn, x[j])
+            mx = max(mx, x[j])
+        smin[tid] = mn
+        smax[tid] = mx
+        cuda.syncthreads()
+        step = TPB // 2
+        while step > 0:
+            if tid < step:
+                smin[tid] = min(smin[tid], smin[tid + step])
+                smax[tid] = max(smax[tid], smax[tid + step])
+            cuda.syncthreads()
+            step //= 2
+        if tid == 0:
+            meta[g, 0] = smin[0]
+            meta[g, 1] = np.float32((np.float64(smax[0]) - np.float64(smin[0])) / levels)
+        cuda.syncthreads()
+
+
+@cuda.jit
+def _cgx_encode_kernel(x, meta, bucket, bits, stochastic, key, payload):
+    n = x.size
+    levels = (1 << bits) - 1
+    for blk in range(cuda.grid(1), payload.size // bits, cuda.gridsize(1)):
+        acc = 0
+        for t in range(8):
+            j = blk * 8 + t
+            if j < n:
+                g = j // bucket
+                unit = np.float64(meta[g, 1])
+                q = 0
+                if unit > 0:
+                    v = (np.float64(x[j]) - np.float64(meta[g, 0])) / unit
+                    r = 0.5
+                    if stochastic:
+                        r = np.float64(rng_bits(key, j) >> 8) * 2.0**-24
+                    q = min(max(math.floor(v + r), 0), levels)
+                acc |= q << (t * bits)
+        for t in range(bits):
+            payload[blk * bits + t] = (acc >> (8 * t)) & 0xFF
+
+
+@cuda.jit
+def _cgx_decode_kernel(payload, meta, bucket, bits, out):
+    n = out.size
+    mask = (1 << bits) - 1
+    for blk in range(cuda.grid(1), payload.size // bits, cuda.gridsize(1)):
+        acc = 0
+        for t in range(bits):
+            acc |= np.int64(payload[blk * bits + t]) << (8 * t)
+        for t in range(8):
+            j = blk * 8 + t
+            if j < n:
+                g = j // bucket
+                q = (acc >> (t * bits)) & mask
+                out[j] = np.float32(np.float64(meta[g, 0]) + np.float64(meta[g, 1]) * q)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def absmax_bits(xb, mask, inner, nch, out):
+    """Per-channel max of ``xb & mask`` into int64 ``out`` (zeroed by the caller).
+
+    Rows shorter than a block reduce with one atomic per element instead.
+    """
+    if inner < TPB and nch > 1:
+        _absmax_atomic_kernel[_blocks(xb.size), TPB](xb, mask, inner, nch, out)
+        return
+    rows = xb.size // inner
+    grid = max(1, min(MAX_BLOCKS, rows * -(-inner // SEGMENT)))
+    _absmax_kernel[grid, TPB](xb, mask, inner, nch, out)
+
+
+def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
+    _quantize_kernel[_blocks(x.size), TPB](x, scales, inner, nch, qmax, stochastic, key, out)
+
+
+def dequantize(q, scales, inner, nch, out):
+    _dequantize_kernel[_blocks(q.size), TPB](q, scales, inner, nch, out)
+
+
+def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out):
+    _fake_quantize_kernel[_blocks(x.size), TPB](
+        x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out
+    )
+
+
+def float_encode(xb, fmt, out):
+    _float_encode_kernel[_blocks(xb.size), TPB](xb, fmt, out)
+
+
+def float_round(x, p1, p2, fmt, out):
+    _float_round_kernel[_blocks(x.size), TPB](
+        x, x.view(np.uint32), np.float32(p1), np.float32(p2), fmt, out
+    )
+
+
+def sum_squares(x, out):
+    _sum_squares_kernel[_blocks(x.size), TPB](x, out)
+
+
+def exp_dither_encode(x, m, key, out):
+    _exp_dither_encode_kernel[_blocks(x.size), TPB](x, x.view(np.uint32), np.float32(m), key, out)
+
+
+def exp_dither_decode(codes, m, out):
+    _exp_dither_decode_kernel[_blocks(codes.size), TPB](codes, np.float32(m), out)
+
+
+def cgx_meta(x, bucket, levels, meta):
+    _cgx_meta_kernel[max(1, min(MAX_BLOCKS, meta.shape[0])), TPB](x, bucket, levels, meta)
+
+
+def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
+    _cgx_encode_kernel[_blocks(payload.size // bits), TPB](
+        x, meta, bucket, bits, stochastic, key, payload
+    )
+
+
+def cgx_decode(payload, meta, bucket, bits, out):
+    _cgx_decode_kernel[_blocks(payload.size // bits), TPB](payload, meta, bucket, bits, out)

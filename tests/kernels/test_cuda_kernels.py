@@ -1,0 +1,121 @@
+"""CUDA kernels against the reference: in Numba's simulator by default, on a GPU with --gpu.
+
+Inputs stay tiny (the simulator runs one Python thread per CUDA thread). With ``--gpu`` the
+same checks run on CUDA tensors.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from qsync_lab import kernels as K
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _device(request):
+    return "cuda" if request.config.getoption("--gpu") else "cpu"
+
+
+@pytest.fixture
+def dev(request):
+    return _device(request)
+
+
+def _x(n=300, shape=None, seed=0, dtype=torch.float32, dev="cpu"):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 2
+    return (x.reshape(shape) if shape else x).to(dtype).to(dev)
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_absmax(axis, dtype, dev):
+    x = _x(shape=(10, 30), dtype=dtype, dev=dev)
+    x[3, 4] = -100
+    assert torch.equal(K.absmax(x, axis, backend="cuda").cpu(), K.absmax(x.cpu(), axis, backend="reference"))
+
+
+@pytest.mark.parametrize("axis", [None, 1])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantize_dequantize_fake_quantize(axis, rounding, dev):
+    x = _x(shape=(12, 25), dev=dev)
+    a = K.quantize_int8(x, axis=axis, rounding=rounding, seed=9, backend="cuda")
+    b = K.quantize_int8(x.cpu(), axis=axis, rounding=rounding, seed=9, backend="reference")
+    assert torch.equal(a.codes.cpu(), b.codes)
+    da = K.dequantize_int8(a.codes, a.scale, axis=axis, backend="cuda")
+    assert torch.equal(da.cpu(), K.dequantize_int8(b.codes, b.scale, axis=axis, backend="reference"))
+    fa = K.fake_quantize_int8(x.to(torch.bfloat16), axis=axis, rounding=rounding, seed=9, backend="cuda")
+    fb = K.fake_quantize_int8(x.cpu().to(torch.bfloat16), axis=axis, rounding=rounding, seed=9, backend="reference")
+    assert torch.equal(fa.output.cpu(), fb.output)
+    assert fa.sse == pytest.approx(fb.sse, rel=1e-12)
+
+
+def test_zero_tensor(dev):
+    z = torch.zeros(40, device=dev)
+    q = K.quantize_int8(z, rounding="stochastic", backend="cuda")
+    assert not q.codes.any() and not torch.isnan(K.fake_quantize_int8(z, backend="cuda").output).any()
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_float_encode_and_round(fmt, dev):
+    edge = torch.tensor([0.0, -0.0, 1e-45, 2.0**-10, 1.5 * 2.0**-10, 448.0, 464.0, 61440.0, 65520.0,
+                         3.4e38, float("inf"), -float("inf"), float("nan")])  # fmt: skip
+    x = torch.cat([edge, _x(200) * 100, _x(100, seed=1) * 1e-4]).to(dev)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16,
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]  # fmt: skip
+    view = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    got = K.float_encode(x, fmt, backend="cuda").cpu()
+    assert torch.equal(got.view(view), x.cpu().to(dtype).view(view))
+    r = K.float_round(x, fmt, backend="cuda").cpu()
+    want = x.cpu().to(dtype).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(r), nan) and torch.equal(r[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("fmt", [(3, 0), (4, 3), (6, 5)])
+def test_float_round_generic_and_aps(fmt, dev):
+    x = torch.cat([_x(200) * 30, torch.tensor([248.0, 1e-42, 0.0])]).to(dev)
+    got = K.float_round(x, fmt, backend="cuda").cpu()
+    want = K.float_round(x.cpu(), fmt, backend="reference")
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    shift = K.aps_shift(K.aps_exponent(x, 4), fmt)
+    y = K.aps_quantize(x, shift, fmt, backend="cuda")
+    assert torch.equal(y.cpu(), K.aps_quantize(x.cpu(), shift, fmt, backend="reference"))
+    assert torch.equal(K.aps_dequantize(y, shift, backend="cuda").cpu(), K.aps_dequantize(y.cpu(), shift, backend="reference"))
+
+
+@pytest.mark.parametrize("dithering", ["standard", "exponential"])
+def test_global_qsgd(dithering, dev):
+    x = _x(300, dev=dev)
+    m = float(x.abs().max())
+    a = K.global_qsgd_encode(x, m, 4, dithering=dithering, seed=3, backend="cuda")
+    b = K.global_qsgd_encode(x.cpu(), m, 4, dithering=dithering, seed=3, backend="reference")
+    assert torch.equal(a.cpu(), b)
+    da = K.global_qsgd_decode(a, m, 4, dithering=dithering, backend="cuda")
+    assert torch.equal(da.cpu(), K.global_qsgd_decode(b, m, 4, dithering=dithering, backend="reference"))
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_cgx(bits, dev):
+    x = _x(203, dev=dev)
+    a = K.cgx_encode(x, bits, 50, seed=4, backend="cuda")
+    b = K.cgx_encode(x.cpu(), bits, 50, seed=4, backend="reference")
+    assert torch.equal(a.payload.cpu(), b.payload) and torch.equal(a.meta.cpu(), b.meta)
+    assert torch.equal(K.cgx_decode(a, backend="cuda").cpu(), K.cgx_decode(b, backend="reference"))
+
+
+def test_qsgd_and_norm(dev):
+    x = _x(300, dev=dev)
+    norm = K.l2norm(x, backend="cuda")
+    assert norm == pytest.approx(float(np.linalg.norm(x.cpu().double().numpy())), rel=1e-12)
+    a = K.qsgd_encode(x, 6, seed=2, norm=norm, backend="cuda")
+    b = K.qsgd_encode(x.cpu(), 6, seed=2, norm=norm, backend="reference")
+    assert torch.equal(a.codes.cpu(), b.codes)
+
+
+@pytest.mark.gpu
+def test_real_gpu_auto_backend_uses_cuda():
+    x = _x(1 << 20, dev="cuda")
+    q = K.quantize_int8(x, rounding="stochastic", seed=1)
+    assert q.codes.is_cuda
+    assert torch.equal(q.codes.cpu(), K.quantize_int8(x.cpu(), rounding="stochastic", seed=1).codes)
