@@ -1,0 +1,142 @@
+"""QSync's bi-directional indicator: how much error an operator adds, forward and backward,
+when it runs in a lower precision.
+
+Derivation (one formula for every bilinear op). An op with ``P`` multiply-adds combines
+operands ``A`` (``D_a`` elements) and ``B`` (``D_b``); each output element sums ``P/D_out``
+products. Rounding ``A`` and ``B`` adds independent zero-mean errors ``ε_A``, ``ε_B``;
+to first order the error energy of the result is
+
+    E‖ΔOut‖² = P / (D_a·D_b) · (E‖ε_A‖²·‖B‖² + E‖ε_B‖²·‖A‖²)
+
+(each output's error sums ``P/D_out`` terms of variance σ_A²·mean(B²); summed over outputs).
+
+* forward ``Y = A∘B`` (``A`` the activation, ``B`` the weight or the second activation):
+  ``V_f = P/(D_a·D_b)·(E‖ε_A‖²·‖B‖² + E‖ε_B‖²·‖A‖²)``;
+* backward, with the output gradient ``G`` rounded to the op's backward format:
+  the gradient of ``B`` (``G`` with ``A``): ``P/(D_a·D_g)·(E‖ε_A‖²·‖G‖² + E‖ε_G‖²·‖A‖²)``,
+  the gradient of ``A`` (``G`` with ``B``, only if ``A`` needs one):
+  ``P/(D_g·D_b)·(E‖ε_G‖²·‖B‖² + E‖ε_B‖²·‖G‖²)``; ``V_b`` is their sum.
+  An op without weights (matmul) is scored from both of its operands this way.
+* embedding (a row gather): ``V_f = E‖ε_W‖²·D_out/D_W``, ``V_b = E‖ε_G‖²``.
+
+The rounding energies ``E‖ε‖²`` are measured per operand and precision
+(:mod:`qsync_lab.indicator.formats`): int8 from its step size (the variance constant follows
+the rounding mode), float formats from the operand's exponent histogram and the mantissa
+width — so bf16 (7 bits) scores above fp16 (10 bits) on the same data, and fp8 e5m2 (2 bits)
+above e4m3 (3 bits). INT8 ops run backward in fp16 and fp8 ops round gradients to e5m2, as
+the operators do; the saved operands keep their forward rounding.
+
+The combined score weights forward error by what lies downstream and backward error by
+what lies upstream (``d`` = the op's forward depth, ``L`` = the graph's largest depth):
+
+    ω = γ·(L − d)·V_f + d·V_b          (γ = 4 by default, as QSync)
+"""
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch.nn as nn
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.indicator.formats import BACKWARD_PRECISION
+from qsync_lab.indicator.statistics import collect_statistics
+from qsync_lab.precision import Precision
+
+TERMS = ("V_f", "V_b", "omega")
+
+
+def indicator(model: nn.Module, graph, batches: Iterable, *,
+              loss_fn: nn.Module, precisions: Sequence["Precision | str"] = tuple(Precision),
+              gamma: float = 4.0, rounding: str = "nearest", num_batches: int = 10,
+              seed: int = 0, progress: bool = True) -> pd.DataFrame:
+    """Score every linear, conv, matmul and embedding op of ``model`` per precision.
+
+    Args:
+        model: the fp32 model; left unchanged (no optimizer step, buffers restored).
+        graph: the model's :class:`~qsync_lab.graph.OpGraph` (gives each op's depth).
+        batches: calibration batches ``(inputs, target)``; the first ``num_batches`` are used.
+        loss_fn: the training loss.
+        precisions: precisions to score (fp32 scores 0).
+        gamma: weight of the forward term (QSync: 4).
+        rounding: int8 rounding mode, ``"nearest"`` or ``"stochastic"``.
+        num_batches: K calibration batches (QSync: 10).
+        seed: seeds dropout during calibration.
+        progress: show a progress bar.
+
+    Returns:
+        DataFrame indexed by op FQN (graph order) with columns ``("op", "kind")``,
+        ``("op", "depth")`` and, per precision, ``(p, "V_f")``, ``(p, "V_b")``,
+        ``(p, "omega")`` — e.g. ``scores["int8"]["omega"]``.
+
+    Example::
+
+        >>> import torch, torch.nn as nn
+        >>> from qsync_lab.graph import trace_graph
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+        >>> graph = trace_graph(model, x, target=y, loss_fn=nn.CrossEntropyLoss())
+        >>> scores = indicator(model, graph, [(x, y)], loss_fn=nn.CrossEntropyLoss(),
+        ...                    precisions=["fp16", "int8"], num_batches=1, progress=False)
+        >>> bool((scores["int8"]["omega"] > scores["fp16"]["omega"]).all())
+        True
+    """
+    if gamma < 0:
+        raise QSyncError(f"gamma must be >= 0, got {gamma}")
+    stats = collect_statistics(model, batches, loss_fn, precisions=precisions,
+                               rounding=rounding, num_batches=num_batches, seed=seed,
+                               progress=progress)
+    return scores_from_statistics(stats, graph, precisions, gamma=gamma)
+
+
+def scores_from_statistics(stats: pd.DataFrame, graph, precisions, *,
+                           gamma: float = 4.0) -> pd.DataFrame:
+    """The indicator from :func:`~qsync_lab.indicator.collect_statistics` rows: each term
+    is computed per calibration batch, then averaged over the batches."""
+    missing = sorted(set(stats["op"]) - set(graph.ops.index))
+    if missing:
+        raise QSyncError(f"op {missing[0]!r} of the statistics is not in the graph; trace the "
+                         "graph from the same model")
+    wanted = [Precision.parse(p) for p in precisions]
+    ops = graph.ops
+    needs_input_grad = (ops["bwd_input_flops"] > 0).reindex(stats["op"]).to_numpy()
+    columns: dict[tuple[str, str], np.ndarray] = {}
+    for p in wanted:
+        v_f, v_b = _terms(stats, p, needs_input_grad)
+        columns[(str(p), "V_f")] = v_f
+        columns[(str(p), "V_b")] = v_b
+    per_batch = pd.DataFrame(columns, index=stats["op"].to_numpy())
+    terms = per_batch.groupby(level=0, sort=False).mean()
+    order = [name for name in ops.index if name in terms.index]
+    terms = terms.loc[order]
+    depth = ops.loc[order, "depth"].astype(float)
+    total_depth = float(ops["depth"].max())
+    out = pd.DataFrame({("op", "kind"): ops.loc[order, "kind"],
+                        ("op", "depth"): ops.loc[order, "depth"]}, index=order)
+    for p in wanted:
+        v_f, v_b = terms[(str(p), "V_f")], terms[(str(p), "V_b")]
+        out[(str(p), "V_f")] = v_f
+        out[(str(p), "V_b")] = v_b
+        out[(str(p), "omega")] = gamma * (total_depth - depth) * v_f + depth * v_b
+    out.columns = pd.MultiIndex.from_tuples(out.columns)
+    out.index.name = "op"
+    return out
+
+
+def _terms(stats: pd.DataFrame, p: Precision, needs_input_grad: np.ndarray):
+    """Per-row forward and backward error energies at precision ``p``."""
+    col = lambda name: stats[name].to_numpy(dtype=float)  # noqa: E731
+    macs = col("macs")
+    n_a, n_b, n_g = col("numel_a"), col("numel_b"), col("numel_g")
+    s_a, s_b, s_g = col("sumsq_a"), col("sumsq_b"), col("sumsq_g")
+    e_a, e_b = col(f"noise_a[{p}]"), col(f"noise_b[{p}]")
+    e_g = col(f"noise_g[{BACKWARD_PRECISION[p]}]")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v_f = macs / (n_a * n_b) * (e_a * s_b + e_b * s_a)
+        grad_b = macs / (n_a * n_g) * (e_a * s_g + e_g * s_a)
+        grad_a = np.where(needs_input_grad, macs / (n_g * n_b) * (e_g * s_b + e_b * s_g), 0.0)
+    v_b = grad_a + grad_b
+    embedding = (stats["kind"] == "embedding").to_numpy()
+    v_f = np.where(embedding, e_b * n_g / n_b, v_f)
+    v_b = np.where(embedding, e_g, v_b)
+    return v_f, v_b
