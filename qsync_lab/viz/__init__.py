@@ -10,5 +10,6 @@ Example::
 """
 
 from qsync_lab.viz.graph_figures import plot_buckets, plot_flops_by_kind
+from qsync_lab.viz.indicator_figures import plot_indicator
 
-__all__ = ["plot_buckets", "plot_flops_by_kind"]
+__all__ = ["plot_buckets", "plot_flops_by_kind", "plot_indicator"]
