@@ -54,11 +54,94 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the zoo models").set_defaults(run=_cmd_models)
     sub.add_parser("clusters", help="list the shipped clusters").set_defaults(run=_cmd_clusters)
 
+    _add_simulate_parser(sub)
+
     demo = sub.add_parser("demo", help="the main job on built-in defaults")
     demo.add_argument("--model", default="bert_base")
     demo.add_argument("--cluster", default="qsync-paper")
     demo.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _add_simulate_parser(sub) -> None:
+    simulate = sub.add_parser("simulate", help="simulate one DDP iteration of a zoo model on a "
+                              "cluster under a precision plan")
+    simulate.add_argument("--model", required=True, help="zoo model name (see `qsync-lab models`)")
+    simulate.add_argument("--cluster", default="qsync-paper",
+                          help="a shipped cluster name or a path to a TOML file")
+    simulate.add_argument("--batch", type=int, default=2, help="batch size to trace the model "
+                          "at (ranks run their cluster batch sizes; default 2)")
+    simulate.add_argument("--plan", help="JSON file {device kind: {op FQN: precision}} "
+                          "(default: everything fp32)")
+    simulate.add_argument("--uniform", action="append", default=[], metavar="DEVICE=PRECISION",
+                          help="run every linear and conv op of DEVICE in PRECISION, e.g. "
+                          "T4=fp16 (repeatable; --plan entries override it)")
+    simulate.add_argument("--profile", action="append", default=[], metavar="CSV",
+                          help="measured profile table(s) overriding the roofline")
+    simulate.add_argument("--optimizer", default="sgd",
+                          choices=["sgd", "sgd_momentum", "adam", "adamw"])
+    simulate.add_argument("--trace", help="write the Chrome/Perfetto trace JSON here")
+    simulate.set_defaults(run=_cmd_simulate)
+
+
+def _cmd_simulate(args) -> None:
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.costs import CostModel
+    from qsync_lab.simulate import simulate
+
+    graph, seconds = _trace_zoo_model(args.model, args.batch)
+    cluster = load_cluster(args.cluster)
+    plan = _uniform_plan(graph, args.uniform)
+    if args.plan:
+        for device, ops in _read_plan_json(args.plan).items():
+            plan.setdefault(device, {}).update(ops)
+    sim = simulate(graph, plan, cluster, CostModel.from_profiles(*args.profile),
+                   optimizer=args.optimizer)
+    print(f"{args.model} on {cluster.name} ({cluster.world_size} ranks, traced in "
+          f"{seconds:.1f} s)")
+    print(f"iteration {sim.iteration_us / 1e3:.2f} ms, {sim.throughput_samples_per_s:.0f} "
+          f"samples/s, {sim.wire_bytes.iloc[0] / 2**20:.1f} MiB sent per rank\n")
+    summary = sim.rank_summary().groupby(["device", "batch_size"]).agg(
+        ranks=("busy_us", "size"), busy_ms=("busy_us", "max"), idle_ms=("idle_us", "max"),
+        peak_memory_gib=("peak_memory_gib", "max"))
+    summary[["busy_ms", "idle_ms"]] /= 1e3
+    print(summary.round(2).to_string())
+    sources = sim.events.groupby("source")["dur_us"].sum() / 1e3
+    print("\ntime by cost source (ms, all ranks): "
+          + ", ".join(f"{name} {ms:.1f}" for name, ms in sources.items()))
+    if args.trace:
+        sim.to_perfetto(args.trace)
+        print(f"wrote the trace to {args.trace} (open it in ui.perfetto.dev)")
+
+
+def _uniform_plan(graph, items: list[str]) -> dict[str, dict[str, str]]:
+    gemms = graph.ops.index[graph.ops["kind"].isin(["linear", "conv1d", "conv2d", "conv3d"])]
+    plan: dict[str, dict[str, str]] = {}
+    for item in items:
+        device, sep, precision = item.partition("=")
+        if not sep or not device or not precision:
+            raise QSyncError(f"--uniform expects DEVICE=PRECISION, got {item!r}; e.g. T4=fp16")
+        plan.setdefault(device, {}).update(dict.fromkeys(gemms, precision))
+    return plan
+
+
+def _read_plan_json(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        plan = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise QSyncError(f"cannot read plan {path}: {_first_line(err)}; give a JSON file "
+                         "{device kind: {op FQN: precision}}") from None
+    if not isinstance(plan, dict) or not all(isinstance(v, dict) for v in plan.values()):
+        raise QSyncError(f"plan {path} must be a JSON object {{device kind: {{op FQN: "
+                         "precision}}}}")
+    return plan
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _cmd_graph(args) -> None:

@@ -59,3 +59,25 @@ def test_console_script_entry_point_runs_the_demo():
     assert "bert_mini: 123 operators" in result.stdout
     assert "DDP gradient buckets" in result.stdout
     assert "qsync-paper: 32 ranks" in result.stdout
+
+
+def test_simulate_prints_the_iteration_and_writes_a_trace(capsys, tmp_path):
+    trace = tmp_path / "trace.json"
+    code, out, _ = run(capsys, "simulate", "--model", "digits_mlp", "--cluster", "v100-t4-small",
+                       "--uniform", "T4=fp16", "--trace", str(trace))
+    assert code == 0
+    assert "digits_mlp on v100-t4-small (4 ranks" in out and "samples/s" in out
+    import json
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
+    assert any(e.get("args", {}).get("precision") == "fp16" for e in events if e["ph"] == "X")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--uniform", "T4"], "--uniform expects DEVICE=PRECISION"),
+    (["--plan", "missing.json"], "cannot read plan missing.json"),
+])
+def test_simulate_bad_plan_input(capsys, argv, message):
+    code, _, err = run(capsys, "simulate", "--model", "digits_mlp", *argv)
+    assert code == 2 and message in err and err.count("\n") == 1

@@ -102,8 +102,9 @@ def ddp_buckets(graph, *, bucket_cap_mb: float | None = None, iteration: str = "
     else:
         ordered = _gradient_ready_order(graph, params)
         limits = [first_cap, cap]
-    sizes = [int(params.at[p, "bytes"]) for p in ordered]
-    dtypes = [params.at[p, "dtype"] for p in ordered]
+    size_of, dtype_of = params["bytes"].to_dict(), params["dtype"].to_dict()
+    sizes = [int(size_of[p]) for p in ordered]
+    dtypes = [dtype_of[p] for p in ordered]
     buckets = bucket_assignment(sizes, limits, dtypes)
     if iteration == "first":
         buckets = buckets[::-1]  # DDP hands the reducer its first buckets reversed
@@ -123,10 +124,11 @@ def _gradient_ready_order(graph, params: pd.DataFrame) -> list[str]:
     """
     position = {name: i for i, name in enumerate(graph.ops.index)}
     registration = {name: i for i, name in enumerate(params.index)}
-    kind = graph.ops["kind"]
+    kind = graph.ops["kind"].to_dict()
+    first_op = params["first_op"].to_dict()
 
     def key(param: str) -> tuple[int, int, int]:
-        op = params.at[param, "first_op"]
+        op = first_op[param]
         if op is None or pd.isna(op):
             return (1, 0, registration[param])
         within = -registration[param] if kind[op] == "linear" else registration[param]

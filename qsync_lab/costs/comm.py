@@ -1,0 +1,56 @@
+"""Ring allreduce cost (α–β model over the slowest link of the ring).
+
+A ring allreduce of ``S`` bytes over ``n`` ranks is a reduce-scatter plus an all-gather:
+each rank sends and receives ``2(n−1)/n · S`` bytes in ``2(n−1)`` steps, and every step
+waits for the slowest hop, so ``time = 2(n−1)/n · S/β + 2(n−1)·α`` with ``β`` the lowest
+bandwidth and ``α`` the highest latency among the ring's links. One rank: nothing to do.
+
+Example::
+
+    >>> from qsync_lab.devices import LinkSpec
+    >>> link = LinkSpec("eth", bandwidth_Bps=1e9, latency_s=10e-6, source="test")
+    >>> ring_allreduce_us(4_000_000, 4, [link])   # 1.5 * 4 ms + 6 * 10 us
+    6060.0
+    >>> ring_wire_bytes(4_000_000, 4)
+    6000000.0
+"""
+
+from collections.abc import Sequence
+
+from qsync_lab.devices import US_PER_SECOND, LinkSpec
+from qsync_lab.errors import QSyncError
+
+__all__ = ["ring_allreduce_us", "ring_wire_bytes", "slowest_link"]
+
+
+def ring_wire_bytes(nbytes: float, ranks: int) -> float:
+    """Bytes each rank sends in a ring allreduce of ``nbytes``."""
+    if ranks < 1:
+        raise QSyncError(f"an allreduce needs at least one rank, got {ranks}")
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
+def slowest_link(links: Sequence[LinkSpec]) -> LinkSpec:
+    """A link with the lowest bandwidth and the highest latency of ``links``.
+
+    Example::
+
+        >>> from qsync_lab.devices import LinkSpec
+        >>> a, b = LinkSpec("a", 10e9, 2e-6, "x"), LinkSpec("b", 1e9, 1e-6, "x")
+        >>> slowest_link([a, b])
+        LinkSpec(name='b', bandwidth_Bps=1000000000.0, latency_s=2e-06, source='x')
+    """
+    if not links:
+        raise QSyncError("an allreduce over several ranks needs at least one link")
+    narrowest = min(links, key=lambda link: link.bandwidth_Bps)
+    latency_s = max(link.latency_s for link in links)
+    return LinkSpec(narrowest.name, narrowest.bandwidth_Bps, latency_s, narrowest.source)
+
+
+def ring_allreduce_us(nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> float:
+    """Ring allreduce time of ``nbytes`` over ``ranks`` ranks joined by ``links``."""
+    if ranks == 1 or nbytes == 0:
+        return 0.0
+    link = slowest_link(links)
+    seconds = ring_wire_bytes(nbytes, ranks) / link.bandwidth_Bps + 2 * (ranks - 1) * link.latency_s
+    return seconds * US_PER_SECOND

@@ -1,0 +1,223 @@
+"""``CostModel``: how long each op, cast, allreduce and optimizer step takes, and why.
+
+Every answer carries its source, in this order of preference:
+
+1. ``profile:<file>`` — a measured row for this (device, op FQN or kind + shapes,
+   precision, phase, batch size);
+2. ``fit:<file>`` — the roofline with efficiencies calibrated on that device's measured
+   rows, or a cast line fitted to measured casts;
+3. ``roofline`` — the catalog's peaks and bandwidth with the initial efficiency table;
+4. ``alpha-beta:<link>`` — allreduces, from the catalog link (measured α–β fits are part 2).
+
+The model is a plain frozen object: build one, pass it to the simulator; nothing global.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.graph import trace_graph
+    >>> from qsync_lab.devices import load_catalog
+    >>> from qsync_lab.costs import op_work
+    >>> work = op_work(trace_graph(nn.Linear(1024, 1024), torch.randn(64, 1024)))
+    >>> v100 = load_catalog().device("V100-SXM2-32GB")
+    >>> cost = CostModel().op_time_us(work, "linear", "fp16", v100, batch_size=64)
+    >>> round(cost.us, 2), cost.source
+    (8.28, 'roofline')
+"""
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+from qsync_lab.costs.calibrate import CastFit, calibrate_efficiency, fit_cast_costs
+from qsync_lab.costs.comm import ring_allreduce_us, slowest_link
+from qsync_lab.costs.profiles import ProfileTable, read_profile
+from qsync_lab.costs.roofline import Roofline, default_roofline
+from qsync_lab.costs.work import OpWork, phase_work, shape_key
+from qsync_lab.devices import DeviceCatalog, DeviceSpec, LinkSpec, load_catalog
+from qsync_lab.errors import QSyncError
+from qsync_lab.precision import Precision
+
+__all__ = ["OPTIMIZER_STATES", "Cost", "CostModel", "optimizer_state_count"]
+
+#: optimizer -> fp32 state tensors per parameter (momentum buffer; Adam's two moments)
+OPTIMIZER_STATES: Mapping[str, int] = MappingProxyType(
+    {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2})
+_CAST_KIND = "cast"
+_OPTIMIZER_KIND = "optimizer"
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A duration and where it came from."""
+
+    us: float
+    source: str
+
+
+@dataclass(frozen=True, eq=False)
+class CostModel:
+    """Operator, cast, allreduce and optimizer costs (see the module docstring).
+
+    Attributes:
+        rooflines: device name -> calibrated :class:`Roofline`; other devices use
+            ``default_roofline``.
+        default_roofline: the roofline for uncalibrated devices.
+        profiles: measured tables, searched in order; the first match wins.
+        cast_fits: (device, src, dst) -> :class:`CastFit`.
+    """
+
+    rooflines: Mapping[str, Roofline] = field(default_factory=dict)
+    default_roofline: Roofline = field(default_factory=default_roofline)
+    profiles: tuple[ProfileTable, ...] = ()
+    cast_fits: Mapping[tuple[str, Precision, Precision], CastFit] = field(default_factory=dict)
+
+    @classmethod
+    def from_profiles(cls, *paths: "str | os.PathLike[str]", catalog: DeviceCatalog | None = None,
+                      calibrate: bool = True) -> "CostModel":
+        """A cost model using measured profile CSVs: their rows override the roofline,
+        their op rows calibrate each device's efficiencies (``calibrate=True``) and
+        their cast rows fit the cast lines. For a device in several files the last
+        file's calibration wins.
+
+        Example::
+
+            >>> CostModel.from_profiles().profiles
+            ()
+        """
+        catalog = catalog if catalog is not None else load_catalog()
+        tables = tuple(read_profile(p) for p in paths)
+        rooflines: dict[str, Roofline] = {}
+        cast_fits: dict[tuple[str, Precision, Precision], CastFit] = {}
+        for table in tables:
+            ops = table.frame[table.frame["phase"] != "cast"]
+            if calibrate:
+                for name in ops["device"].unique():
+                    device = catalog.device(name)
+                    rooflines[device.name] = calibrate_efficiency(ops, device,
+                                                                  source=table.source)
+            cast_fits.update(fit_cast_costs(table.frame, source=table.source))
+        return cls(MappingProxyType(rooflines), profiles=tables,
+                   cast_fits=MappingProxyType(cast_fits))
+
+    def roofline_for(self, device: DeviceSpec) -> Roofline:
+        """The calibrated roofline of ``device``, else the default one."""
+        return self.rooflines.get(device.name, self.default_roofline)
+
+    def op_times_us(self, work: OpWork, precisions: Sequence["Precision | str"],
+                    device: DeviceSpec, *, batch_size: int, phase: str
+                    ) -> tuple[np.ndarray, list[str]]:
+        """Time and source of every op of ``work`` in ``phase`` (vectorized).
+
+        Args:
+            work: from :func:`qsync_lab.costs.op_work`.
+            precisions: per op, the precision ``phase`` computes in.
+            device: the device kind.
+            batch_size: the per-rank batch size.
+            phase: ``forward``, ``backward_input`` or ``backward_weight``.
+        """
+        flops, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
+        roofline = self.roofline_for(device)
+        times = roofline.times_us(flops, nbytes, work.kinds, device, precisions)
+        sources = [roofline.source] * len(work)
+        tables = [t for t in self.profiles if any(k[0] == device.name for k in t.by_op)
+                  or any(k[0] == device.name for k in t.by_shape)]
+        if tables:
+            for i, name in enumerate(work.names):
+                if not (flops[i] > 0 or nbytes[i] > 0):
+                    continue
+                key = shape_key(work, i, batch_size)
+                for table in tables:
+                    found = table.op_time_us(device.name, name, str(Precision.parse(
+                        precisions[i])), phase, batch_size, key)
+                    if found is not None:
+                        times[i], sources[i] = found, table.source
+                        break
+        return times, sources
+
+    def op_time_us(self, work: OpWork, op: str, precision: "Precision | str",
+                   device: DeviceSpec, *, batch_size: int, phase: str = "forward") -> Cost:
+        """Time of one op (FQN ``op``) in ``phase`` at ``precision`` and ``batch_size``."""
+        index = work.index_of(op)
+        precisions = [Precision.FP32] * len(work)
+        precisions[index] = Precision.parse(precision)
+        times, sources = self.op_times_us(work, precisions, device, batch_size=batch_size,
+                                          phase=phase)
+        return Cost(float(times[index]), sources[index])
+
+    def cast_time_us(self, numel: float, src: "Precision | str", dst: "Precision | str",
+                     device: DeviceSpec) -> Cost:
+        """Time to convert ``numel`` elements from ``src`` to ``dst`` on ``device``.
+
+        A fitted line when the profiles measured this pair on this device, else the
+        roofline: read ``numel`` elements in ``src``, write them in ``dst``, plus a launch.
+
+        Example::
+
+            >>> t4 = load_catalog().device("T4")
+            >>> CostModel().cast_time_us(32e6, "fp32", "fp16", t4)   # 192 MB at 256 GB/s
+            Cost(us=755.0, source='roofline')
+        """
+        times, source = self.cast_times_us(np.array([float(numel)]), src, dst, device)
+        return Cost(float(times[0]), source)
+
+    def cast_times_us(self, numel: np.ndarray, src: "Precision | str", dst: "Precision | str",
+                      device: DeviceSpec) -> tuple[np.ndarray, str]:
+        """:meth:`cast_time_us` for many tensors of one (src, dst) pair at once."""
+        src, dst = Precision.parse(src), Precision.parse(dst)
+        fit = self.cast_fits.get((device.name, src, dst))
+        if fit is not None:
+            return fit.time_us(numel), fit.source
+        roofline = self.roofline_for(device)
+        nbytes = numel * (src.bits + dst.bits) / 8
+        times = roofline.times_us(np.zeros(len(numel)), nbytes, [_CAST_KIND] * len(numel),
+                                  device, [Precision.FP32] * len(numel))
+        return times, roofline.source
+
+    def allreduce_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
+        """Ring allreduce of ``nbytes`` over ``ranks`` ranks, limited by the slowest link.
+
+        Example::
+
+            >>> link = load_catalog().link("eth_100g")
+            >>> CostModel().allreduce_time_us(100e6, 2, [link])   # 100 MB at 12.5 GB/s + 2 x 20 us
+            Cost(us=8040.0, source='alpha-beta:eth_100g')
+        """
+        if ranks == 1:
+            return Cost(0.0, "single rank")
+        return Cost(ring_allreduce_us(nbytes, ranks, links),
+                    f"alpha-beta:{slowest_link(links).name}")
+
+    def optimizer_time_us(self, param_bytes: float, optimizer: str, device: DeviceSpec) -> Cost:
+        """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound:
+        read parameters, gradients and state, write parameters and state).
+
+        Example::
+
+            >>> v100 = load_catalog().device("V100-SXM2-32GB")
+            >>> cost = CostModel().optimizer_time_us(440e6, "adam", v100)
+            >>> round(cost.us, 1), cost.source   # 7 x 440 MB at 720 GB/s, plus a launch
+            (4282.8, 'roofline')
+        """
+        states = optimizer_state_count(optimizer)
+        roofline = self.roofline_for(device)
+        traffic = (3 + 2 * states) * param_bytes
+        times = roofline.times_us(np.zeros(1), np.array([float(traffic)]), [_OPTIMIZER_KIND],
+                                  device, [Precision.FP32])
+        return Cost(float(times[0]), roofline.source)
+
+
+def optimizer_state_count(optimizer: str) -> int:
+    """fp32 state tensors per parameter of ``optimizer`` (QSyncError if unknown).
+
+    Example::
+
+        >>> optimizer_state_count("sgd_momentum"), optimizer_state_count("adam")
+        (1, 2)
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise QSyncError(f"unknown optimizer {optimizer!r}; choose one of: "
+                         f"{', '.join(OPTIMIZER_STATES)}")
+    return OPTIMIZER_STATES[optimizer]

@@ -1,0 +1,205 @@
+"""The compute stream of one rank: forward, casts and backward, back to back.
+
+Order of events (one compute stream, so each starts when the previous one ends):
+
+* forward, ops in graph order: for an op whose inputs arrive in another storage precision,
+  one cast per source precision (``cast:<op>:<src>-><dst>``, data inputs are fp32); for a
+  weighted op not stored in fp32, the weight cast from the fp32 master copy
+  (``cast:<op>:weight:fp32-><p>``); then the op.
+* backward, ops in reverse order: an int8 op first casts its fp32 output gradient and
+  dequantises its saved int8 tensors to fp16 (``grad_out``/``saved`` casts); then the
+  input gradient (``backward_input``); then, mirroring each forward input cast, the
+  gradient cast back to the producer's precision (``cast:<op>:grad:<q>-><src>``); then
+  the weight gradient (``backward_weight``) and, when it is not fp32, its cast to the
+  fp32 gradient (``cast:<op>:weight_grad:<q>->fp32``). An op's parameter gradients are
+  ready when the last of these ends.
+
+View ops alias their input and produce no events. Ops with no work in a phase produce no
+event for it.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.costs import CostModel, op_work
+    >>> from qsync_lab.devices import load_catalog
+    >>> from qsync_lab.graph import trace_graph
+    >>> from qsync_lab.simulate.policy import resolve_precisions
+    >>> work = op_work(trace_graph(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+    ...                            torch.randn(2, 4)))
+    >>> t4 = load_catalog().device("T4")
+    >>> line = compute_timeline(work, resolve_precisions(work, {"1": "fp16"}, t4),
+    ...                         CostModel(), t4, batch_size=2)
+    >>> [op for op, cat in zip(line.events.op, line.events.category) if cat == "cast"]
+    ['cast:1:fp32->fp16', 'cast:1:weight:fp32->fp16', 'cast:1:grad:fp16->fp32', 'cast:1:weight_grad:fp16->fp32']
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from qsync_lab.costs import CostModel, OpWork, batch_scales, phase_work
+from qsync_lab.devices import DeviceSpec
+from qsync_lab.precision import Precision
+from qsync_lab.simulate.events import StreamEvents
+from qsync_lab.simulate.policy import PrecisionAssignment, storage_precision
+
+__all__ = ["ComputeTimeline", "compute_timeline"]
+
+_FP32_BYTES = 4
+
+
+@dataclass(frozen=True, eq=False)
+class ComputeTimeline:
+    """The compute stream of one (device kind, batch size, plan) class of ranks.
+
+    Attributes:
+        events: the events, back to back from 0.
+        grad_ready_us: per op, when its backward is done and its parameter gradients are
+            final (the end of its last backward event, or of the event before it).
+        backward_end_us: end of the last backward event.
+    """
+
+    events: StreamEvents
+    grad_ready_us: np.ndarray
+    backward_end_us: float
+
+    @property
+    def busy_us(self) -> float:
+        return float(self.events.dur_us.sum())
+
+
+class _Builder:
+    """Collects events in order; cast durations are filled in per (src, dst) pair at once."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.casts: dict[tuple[Precision, Precision], list[tuple[int, float]]] = defaultdict(list)
+
+    def add(self, op, fqn, category, phase, precision, plan, dur_us, nbytes, source) -> None:
+        self.rows.append((op, fqn, category, phase, precision, plan, dur_us, nbytes, source))
+
+    def cast(self, fqn: str, label: str, src: Precision, dst: Precision, numel: float,
+             phase: str, plan: Precision) -> None:
+        if src is dst or numel <= 0:
+            return
+        self.casts[(src, dst)].append((len(self.rows), numel))
+        self.rows.append((f"cast:{fqn}:{label}{src}->{dst}", fqn, "cast", phase, str(dst),
+                          str(plan), np.nan, numel * (src.bits + dst.bits) / 8, ""))
+
+    def mark(self) -> int:
+        """How many events exist so far."""
+        return len(self.rows)
+
+    def finish(self, costs: CostModel, device: DeviceSpec) -> StreamEvents:
+        if not self.rows:
+            return StreamEvents.empty()
+        op, fqn, category, phase, precision, plan, dur, nbytes, source = zip(*self.rows)
+        dur_us = np.array(dur, float)
+        source = list(source)
+        for (src, dst), entries in self.casts.items():
+            where = np.array([i for i, _ in entries])
+            times, cast_source = costs.cast_times_us(np.array([n for _, n in entries]), src,
+                                                     dst, device)
+            dur_us[where] = times
+            for i in where.tolist():
+                source[i] = cast_source
+        start_us = np.concatenate(([0.0], np.cumsum(dur_us)[:-1]))
+        return StreamEvents.from_lists(op, fqn, category, phase, precision, plan, source,
+                                       start_us, dur_us, nbytes)
+
+
+def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostModel,
+                     device: DeviceSpec, *, batch_size: int) -> ComputeTimeline:
+    """Build the compute stream of one rank class (see the module docstring).
+
+    Args:
+        work: the graph's :class:`~qsync_lab.costs.OpWork`.
+        assignment: the per-op precisions of this device kind.
+        costs: the cost model.
+        device: the device kind.
+        batch_size: the per-rank batch size.
+    """
+    scale = batch_scales(work, batch_size)
+    fwd, bwd = assignment.precision, assignment.backward
+    timing = {}
+    for phase, precisions in (("forward", fwd), ("backward_input", bwd),
+                              ("backward_weight", bwd)):
+        times, sources = costs.op_times_us(work, precisions, device, batch_size=batch_size,
+                                           phase=phase)
+        _, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
+        timing[phase] = (times, sources, nbytes)
+    build = _Builder()
+    input_casts = _forward(build, work, assignment, scale, timing["forward"])
+    marks = _backward(build, work, assignment, scale, timing, input_casts)
+    events = build.finish(costs, device)
+    ends = np.concatenate(([0.0], events.end_us))
+    return ComputeTimeline(events, ends[marks], float(ends[-1]))
+
+
+def _forward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
+             scale: np.ndarray, timing) -> dict[int, dict[Precision, float]]:
+    """Forward events; returns, per op, the numel cast in from each producer precision."""
+    times, sources, nbytes = timing
+    input_casts: dict[int, dict[Precision, float]] = {}
+    for i, fqn in enumerate(work.names):
+        if work.kinds[i] == "view":
+            continue
+        p = assignment.precision[i]
+        stored = storage_precision(p)
+        from_producers: dict[Precision, float] = defaultdict(float)
+        for j in work.producers[i]:
+            if work.float_output[j] and assignment.output[j] is not stored:
+                from_producers[assignment.output[j]] += work.out_numel[j] * scale[j]
+        for src, numel in from_producers.items():
+            build.cast(fqn, "", src, stored, numel, "forward", p)
+        build.cast(fqn, "", Precision.FP32, stored, work.data_input_numel[i] * scale[i],
+                   "forward", p)
+        build.cast(fqn, "weight:", Precision.FP32, stored, work.weight_numel[i], "forward", p)
+        if times[i] > 0:
+            build.add(fqn, fqn, "op", "forward", str(p), str(p), times[i], nbytes[i],
+                      sources[i])
+        input_casts[i] = from_producers
+    return input_casts
+
+
+def _backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
+              scale: np.ndarray, timing, input_casts: dict[int, dict[Precision, float]]
+              ) -> np.ndarray:
+    """Backward events; returns per op how many events exist once its backward is done."""
+    marks = np.zeros(len(work), dtype=np.int64)
+    bin_times, bin_sources, bin_bytes = timing["backward_input"]
+    bw_times, bw_sources, bw_bytes = timing["backward_weight"]
+    for i in reversed(range(len(work))):
+        if work.kinds[i] != "view":
+            _op_backward(build, work, assignment, scale, i, input_casts[i],
+                         (bin_times[i], bin_sources[i], bin_bytes[i]),
+                         (bw_times[i], bw_sources[i], bw_bytes[i]))
+        marks[i] = build.mark()
+    return marks
+
+
+def _op_backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
+                 scale: np.ndarray, i: int, input_casts: dict[Precision, float],
+                 grad_input: tuple[float, str, float], grad_weight: tuple[float, str, float]
+                 ) -> None:
+    """Events of op ``i``'s backward; ``grad_*`` are (time_us, source, bytes) of its phases."""
+    fqn, p, q = work.names[i], assignment.precision[i], assignment.backward[i]
+    stored_q = storage_precision(q)
+    input_us, input_source, input_bytes = grad_input
+    weight_us, weight_source, weight_bytes = grad_weight
+    if p is Precision.INT8 and (input_us > 0 or weight_us > 0):
+        build.cast(fqn, "grad_out:", Precision.FP32, stored_q, work.out_numel[i] * scale[i],
+                   "backward", p)
+        saved_numel = work.act_read_bytes[i] * scale[i] / _FP32_BYTES + work.weight_numel[i]
+        build.cast(fqn, "saved:", Precision.INT8, stored_q, saved_numel, "backward", p)
+    if input_us > 0:
+        build.add(fqn, fqn, "op", "backward_input", str(q), str(p), input_us, input_bytes,
+                  input_source)
+    for src, numel in input_casts.items():
+        build.cast(fqn, "grad:", stored_q, src, numel, "backward", p)
+    if weight_us > 0:
+        build.add(fqn, fqn, "op", "backward_weight", str(q), str(p), weight_us, weight_bytes,
+                  weight_source)
+        build.cast(fqn, "weight_grad:", stored_q, Precision.FP32, work.weight_numel[i],
+                   "backward", p)

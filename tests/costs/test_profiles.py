@@ -1,0 +1,125 @@
+"""Measured profile tables: format, overrides with their source, calibration, cast fits."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+from qsync_lab.costs import (PROFILE_COLUMNS, CostModel, calibrate_efficiency, fit_cast_costs,
+                             op_work, phase_work, read_profile, shape_key, write_profile)
+from qsync_lab.devices import load_catalog
+from qsync_lab.errors import QSyncError
+from qsync_lab.graph import trace_graph
+from qsync_lab.precision import Precision
+
+
+def _row(**values):
+    row = {"device": "T4", "op": "", "kind": "linear", "shape_key": "", "precision": "fp16",
+           "phase": "forward", "batch_size": 32, "numel": 0, "flops": 0, "bytes": 0,
+           "time_us": 1.0, "repeats": 10}
+    row.update(values)
+    return row
+
+
+@pytest.fixture(scope="module")
+def work():
+    return op_work(trace_graph(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)),
+                               torch.randn(2, 64)))
+
+
+def test_round_trip_with_metadata(tmp_path):
+    path = tmp_path / "T4.csv"
+    frame = pd.DataFrame([_row(op="fc", time_us=7.5), _row(kind="cast", precision="FP32->fp16",
+                                                           phase="cast", numel=100)])
+    write_profile(path, frame, {"torch_version": "2.13.0", "cuda_version": "12.8"})
+    assert path.read_text().startswith("# torch_version: 2.13.0\n# cuda_version: 12.8\n")
+    table = read_profile(path)
+    assert table.metadata == {"torch_version": "2.13.0", "cuda_version": "12.8"}
+    assert list(table.frame.columns) == list(PROFILE_COLUMNS)
+    assert table.casts()[["src", "dst"]].values.tolist() == [["fp32", "fp16"]]
+    assert table.op_time_us("T4", "fc", "fp16", "forward", 32) == 7.5
+    assert table.op_time_us("T4", "fc", "fp16", "forward", 64) is None
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"phase": "sideways"}, "unknown phase 'sideways'"),
+    ({"precision": "fp12"}, "unknown precision 'fp12'"),
+    ({"time_us": -1}, "time_us must be a number >= 0"),
+])
+def test_bad_rows_raise_one_line_errors(tmp_path, bad, message):
+    path = tmp_path / "bad.csv"
+    pd.DataFrame([_row(op="fc", **bad)]).to_csv(path, index=False)
+    with pytest.raises(QSyncError, match=message):
+        read_profile(path)
+    with pytest.raises(QSyncError, match="lacks column 'time_us'"):
+        pd.DataFrame([_row()]).drop(columns="time_us").to_csv(path, index=False)
+        read_profile(path)
+    with pytest.raises(QSyncError, match="cannot read profile"):
+        read_profile(tmp_path / "missing.csv")
+
+
+def test_measured_rows_override_roofline_by_fqn_then_shape(work, tmp_path):
+    t4 = load_catalog().device("T4")
+    path = tmp_path / "T4.csv"
+    rows = [_row(op="0", time_us=11.0, batch_size=32),
+            # no FQN: matches every op with this kind and shapes (op "2" has them too)
+            _row(shape_key=shape_key(work, 2, 32), time_us=22.0, batch_size=32)]
+    write_profile(path, pd.DataFrame(rows))
+    model = CostModel.from_profiles(path, calibrate=False)
+    times, sources = model.op_times_us(work, ["fp16", "fp16", "fp16"], t4, batch_size=32,
+                                       phase="forward")
+    assert times[0] == 11.0 and times[2] == 22.0
+    assert sources == ["profile:T4.csv", "roofline", "profile:T4.csv"]
+    other_batch = model.op_time_us(work, "0", "fp16", t4, batch_size=16)
+    assert other_batch.source == "roofline"
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """Two Linear(1024, 1024): memory-bound at small batches (the weights), compute-bound
+    at large ones."""
+    return op_work(trace_graph(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(),
+                                             nn.Linear(1024, 1024)), torch.randn(2, 1024)))
+
+
+def test_calibrate_efficiency_recovers_factors(wide):
+    t4 = load_catalog().device("T4")
+    rows = []
+    for batch in (1, 8, 4096, 32768):
+        flops, nbytes = phase_work(wide, ["fp16"] * 3, "forward", batch_size=batch)
+        for i in (0, 2):
+            t = max(flops[i] / (65e12 * 0.55), nbytes[i] / (320e9 * 0.6)) * 1e6 + 5.0
+            rows.append(_row(op=str(i), batch_size=batch, flops=flops[i], bytes=nbytes[i],
+                             time_us=t))
+    roof = calibrate_efficiency(pd.DataFrame(rows), t4, source="profile:T4.csv")
+    assert roof.compute_efficiency["linear"] == pytest.approx(0.55)
+    assert roof.memory_efficiency["linear"] == pytest.approx(0.6)
+    assert roof.compute_efficiency["matmul"] == 0.5  # no rows: the initial value stays
+    assert roof.source == "fit:profile:T4.csv"
+    with pytest.raises(QSyncError, match="no measured op rows for device 'V100-SXM2-32GB'"):
+        calibrate_efficiency(pd.DataFrame(rows), load_catalog().device("V100-SXM2-32GB"))
+
+
+def test_from_profiles_calibrates_and_fits_casts(wide, tmp_path):
+    t4 = load_catalog().device("T4")
+    path = tmp_path / "T4.csv"
+    flops, nbytes = phase_work(wide, ["fp16"] * 3, "forward", batch_size=4096)
+    rows = [_row(op="0", batch_size=4096, flops=flops[0], bytes=nbytes[0],
+                 time_us=flops[0] / (65e12 * 0.35) * 1e6 + 5.0)]
+    rows += [_row(kind="cast", phase="cast", precision="fp32->fp16", batch_size=0, numel=n,
+                  time_us=2.0 + n * 1e-5) for n in (1e5, 1e6, 1e7)]
+    write_profile(path, pd.DataFrame(rows))
+    model = CostModel.from_profiles(path)
+    assert model.roofline_for(t4).compute_efficiency["linear"] == pytest.approx(0.35)
+    other = model.op_time_us(wide, "2", "fp16", t4, batch_size=4096)  # op 2: not measured
+    assert other.source == "fit:profile:T4.csv"
+    assert other.us == pytest.approx(flops[2] / (65e12 * 0.35) * 1e6 + 5.0)
+    cast = model.cast_time_us(5e6, "fp32", "fp16", t4)
+    assert cast.us == pytest.approx(52.0) and cast.source == "fit:profile:T4.csv"
+    fits = fit_cast_costs(read_profile(path).frame)
+    assert fits[("T4", Precision.FP32, Precision.FP16)].samples == 3
+    # an unmeasured pair falls back to the device's (calibrated) roofline
+    reverse = model.cast_time_us(5e6, "fp16", "fp32", t4)
+    assert reverse.us == pytest.approx(CostModel().cast_time_us(5e6, "fp16", "fp32", t4).us)
+    assert np.isclose(model.cast_time_us(0, "fp32", "fp16", t4).us, 2.0)

@@ -1,0 +1,146 @@
+"""Known-answer timelines of the 5-op MLP (ops 0..4: linear, relu, linear, relu, linear).
+
+With every op phase taking T us, one iteration's compute stream is: 5 forward ops, then
+backward op 4 (input, weight), 3 (input), 2 (input, weight), 1 (input), 0 (weight: its
+input is data). So the gradients of layer 4, 2, 0 are final at 7T, 10T and 12T.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import (ALLREDUCE_US, BATCH, BUCKET_CAP_MB, CAST_US, FAST, FAST_US, SLOW,
+                      SLOW_US, assert_no_overlap)
+
+from qsync_lab.costs import CostModel
+from qsync_lab.graph import trace_graph
+from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.cluster import load_cluster
+from qsync_lab.simulate import prepare_graph, simulate
+
+
+def _comm(sim):
+    return sim.rank_events(0).query("stream == 'comm'").reset_index(drop=True)
+
+
+def _compute(sim, rank):
+    return sim.rank_events(rank).query("stream == 'compute'").reset_index(drop=True)
+
+
+def test_compute_stream_order_and_durations(graph, make_cluster, round_costs):
+    sim = simulate(graph, {}, make_cluster([FAST]), round_costs, bucket_cap_mb=BUCKET_CAP_MB)
+    ops = _compute(sim, 0)
+    assert ops["op"].tolist() == ["0", "1", "2", "3", "4", "4", "4", "3", "2", "2", "1", "0",
+                                  "optimizer:sgd"]
+    assert ops["phase"].tolist()[5:12] == ["backward_input", "backward_weight",
+                                           "backward_input", "backward_input",
+                                           "backward_weight", "backward_input",
+                                           "backward_weight"]
+    assert np.allclose(ops["dur_us"][:12], FAST_US)
+    assert set(ops["source"][:12]) == {"profile:profile.csv"}
+    assert sim.comm.op == ()  # one rank: no allreduce
+
+
+def test_last_bucket_allreduce_overlaps_backward(graph, make_cluster, round_costs):
+    sim = simulate(graph, {}, make_cluster([FAST, FAST]), round_costs,
+                   bucket_cap_mb=BUCKET_CAP_MB)
+    comm = _comm(sim)
+    t = FAST_US
+    assert comm["op"].tolist() == ["allreduce:bucket0", "allreduce:bucket1", "allreduce:bucket2"]
+    # bucket 0 holds layer 4, ready at 7T, and runs while layers 3..0 still run backward
+    assert comm["start_us"].tolist() == pytest.approx([7 * t, 7 * t + ALLREDUCE_US,
+                                                       7 * t + 2 * ALLREDUCE_US])
+    assert comm["dur_us"].tolist() == pytest.approx([ALLREDUCE_US] * 3)
+    backward_end = 12 * t
+    assert comm["start_us"][0] < backward_end
+    optimizer = _compute(sim, 0).iloc[-1]
+    assert optimizer["start_us"] == pytest.approx(7 * t + 3 * ALLREDUCE_US)
+    assert sim.iteration_us == pytest.approx(optimizer["start_us"] + optimizer["dur_us"])
+
+
+def test_slow_rank_gates_every_allreduce(graph, make_cluster, round_costs):
+    sim = simulate(graph, {}, make_cluster([FAST, SLOW]), round_costs,
+                   bucket_cap_mb=BUCKET_CAP_MB)
+    comm = _comm(sim)
+    slow_ready = [7 * SLOW_US, 10 * SLOW_US, 12 * SLOW_US]  # 140, 200, 240
+    # bucket k starts at max(slowest rank's readiness, end of allreduce k-1)
+    expected_start = [140.0, 240.0, 340.0]
+    assert comm["start_us"].tolist() == pytest.approx(expected_start)
+    assert all(s >= r for s, r in zip(comm["start_us"], slow_ready))
+    assert all(s > 12 * FAST_US for s in comm["start_us"][1:])  # the fast rank waits
+    comm_end = 340.0 + ALLREDUCE_US
+    optimizer_us = max(round_costs.optimizer_time_us(3 * 288, "sgd", load_cluster(
+        "v100-t4-small").catalog.device(d)).us for d in (FAST, SLOW))
+    assert sim.iteration_us == pytest.approx(comm_end + optimizer_us)
+    assert sim.idle_us[0] > sim.idle_us[1]
+    assert sim.idle_us[1] == pytest.approx(sim.iteration_us - 12 * SLOW_US -
+                                           _compute(sim, 1)["dur_us"].iloc[-1])
+
+
+def test_mixed_plan_puts_casts_exactly_at_boundaries(graph, make_cluster, round_costs):
+    sim = simulate(graph, {SLOW: {"2": "fp16"}}, make_cluster([FAST, SLOW]), round_costs)
+    assert not (sim.rank_events(0)["category"] == "cast").any()
+    casts = _compute(sim, 1).query("category == 'cast'")
+    assert casts["op"].tolist() == [
+        "cast:2:fp32->fp16", "cast:2:weight:fp32->fp16",  # fp32 relu -> fp16 linear
+        "cast:4:fp16->fp32",                               # fp16 relu (follows) -> fp32 linear
+        "cast:4:grad:fp32->fp16",                          # gradient back to relu 3
+        "cast:2:grad:fp16->fp32", "cast:2:weight_grad:fp16->fp32",
+    ]
+    assert casts["dur_us"].tolist() == pytest.approx([CAST_US] * 6)
+    precisions = _compute(sim, 1).drop_duplicates("op").set_index("op")["precision"]
+    assert precisions[["0", "1", "2", "3", "4"]].tolist() == ["fp32", "fp32", "fp16", "fp16",
+                                                              "fp32"]
+
+
+def test_int8_ops_run_backward_in_fp16(graph, make_cluster, round_costs):
+    sim = simulate(graph, {SLOW: {"2": "int8"}}, make_cluster([FAST, SLOW]), round_costs)
+    events = _compute(sim, 1)
+    op2 = events.query("fqn == '2' and category == 'op'")
+    assert op2[["phase", "precision", "plan_precision"]].values.tolist() == [
+        ["forward", "int8", "int8"], ["backward_input", "fp16", "int8"],
+        ["backward_weight", "fp16", "int8"]]
+    casts = events.query("category == 'cast'")["op"].tolist()
+    assert casts == ["cast:2:fp32->int8", "cast:2:weight:fp32->int8",  # int8 writes fp32
+                     "cast:2:grad_out:fp32->fp16", "cast:2:saved:int8->fp16",
+                     "cast:2:grad:fp16->fp32", "cast:2:weight_grad:fp16->fp32"]
+
+
+def test_no_overlap_per_stream_and_shared_classes():
+    model = get_model("bert_mini")
+    inputs, target = example_batch("bert_mini", 2)
+    graph = trace_graph(model, inputs, target=target, loss_fn=model_spec("bert_mini").loss_fn())
+    plan = {"T4": {n: "fp16" for n, k in graph.ops["kind"].items() if k == "linear"}}
+    sim = simulate(graph, plan, load_cluster("v100-t4-small"), CostModel(), optimizer="adam")
+    assert_no_overlap(sim.events)
+    for rank in range(sim.world_size):  # the optimizer ends the iteration on every rank
+        assert _compute(sim, rank)["op"].iloc[-1] == "optimizer:adam"
+    same = sim.rank_events(2).drop(columns="rank")
+    assert same.equals(sim.rank_events(3).drop(columns="rank"))
+    assert len(sim.events) == sum(len(sim.rank_events(r)) for r in range(4))
+    assert sim.wire_bytes[0] == pytest.approx(2 * 3 / 4 * graph.params["bytes"].sum())
+
+
+def test_batch_size_scales_compute_not_parameters(make_cluster):
+    graph = trace_graph(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)),
+                        torch.randn(BATCH, 256))
+    prepared = prepare_graph(graph)
+    small = simulate(prepared, {}, make_cluster([FAST, FAST], [64, 64]), CostModel())
+    big = simulate(prepared, {}, make_cluster([FAST, FAST], [64, 4096]), CostModel())
+    small_fwd = _compute(small, 1).query("phase == 'forward'")
+    big_fwd = _compute(big, 1).query("phase == 'forward'")
+    assert (big_fwd["bytes"].to_numpy() > small_fwd["bytes"].to_numpy()).all()
+    assert big.memory_breakdown.loc[1, "activations"] == pytest.approx(
+        64 * small.memory_breakdown.loc[1, "activations"])
+    assert big.memory_breakdown.loc[1, "master_weights"] == small.memory_breakdown.loc[
+        1, "master_weights"]
+    assert big.idle_us[0] > big.idle_us[1]  # the rank with 64x the batch gates the other
+    assert big.throughput_samples_per_s == pytest.approx((64 + 4096) / (big.iteration_us / 1e6))
+
+
+def test_prepared_graph_gives_the_same_result(graph, make_cluster, round_costs):
+    cluster = make_cluster([FAST, SLOW])
+    direct = simulate(graph, {SLOW: {"2": "fp16"}}, cluster, round_costs)
+    prepared = simulate(prepare_graph(graph), {SLOW: {"2": "fp16"}}, cluster, round_costs)
+    assert direct.iteration_us == prepared.iteration_us
+    assert direct.events.equals(prepared.events)
