@@ -14,6 +14,7 @@ Example::
     torch.Size([2, 2])
 """
 
+import functools
 import math
 
 import torch
@@ -273,20 +274,6 @@ def bert_base(
     )  # fmt: skip
 
 
-def bert_mini(
-    *,
-    num_layers: int = 4,
-    hidden: int = 256,
-    heads: int = 4,
-    intermediate: int = 1024,
-    vocab_size: int = 30522,
-    max_positions: int = 512,
-    type_vocab_size: int = 2,
-    num_labels: int = 2,
-    dropout: float = 0.1,
-) -> BertClassifier:
-    """BERT-mini (4 layers, hidden 256, 4 heads) for sequence classification."""
-    return BertClassifier(
-        num_layers, hidden, heads, intermediate, vocab_size, max_positions, type_vocab_size, num_labels,
-        dropout,
-    )  # fmt: skip
+#: BERT-mini (4 layers, hidden 256, 4 heads) for sequence classification; keyword
+#: arguments override the dims, as for :func:`bert_base`.
+bert_mini = functools.partial(bert_base, num_layers=4, hidden=256, heads=4, intermediate=1024)
