@@ -1,0 +1,53 @@
+"""OpPrecision parsing and validation; the digits split."""
+
+import pytest
+import torch
+
+from qsync_lab.datasets import load_digits_split
+from qsync_lab.errors import QSyncError
+from qsync_lab.precision import Precision
+from qsync_lab.runtime import OpPrecision
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("int8", ("int8", "fp16", "nearest", "tensor")),
+    ("FP16", ("fp16", "fp16", "nearest", "tensor")),
+    (Precision.BF16, ("bf16", "bf16", "nearest", "tensor")),
+    ("fp8_e4m3", ("fp8_e4m3", "fp8_e5m2", "nearest", "tensor")),
+    ({"forward": "int8", "backward": "fp32", "rounding": "stochastic", "granularity": "channel"},
+     ("int8", "fp32", "stochastic", "channel")),
+])
+def test_parse_fills_in_documented_defaults(spec, expected):
+    cfg = OpPrecision.parse(spec)
+    assert tuple(cfg.to_dict().values()) == expected
+    assert OpPrecision.parse(cfg.to_dict()) == OpPrecision.parse(cfg.to_dict())
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: OpPrecision("int8"), "must be a Precision"),
+    (lambda: OpPrecision(Precision.INT8, rounding="floor"), "unknown rounding 'floor'"),
+    (lambda: OpPrecision(Precision.INT8, granularity="row"), "unknown granularity 'row'"),
+    (lambda: OpPrecision(Precision.FP8_E4M3, granularity="channel"), "int8 operators only"),
+    (lambda: OpPrecision.parse(3), "got int"),
+])
+def test_invalid_configs_are_one_line_errors(build, message):
+    with pytest.raises(QSyncError, match=message) as info:
+        build()
+    assert "\n" not in str(info.value)
+
+
+def test_fp32_detection():
+    assert OpPrecision.parse("fp32").is_fp32
+    assert not OpPrecision.parse({"forward": "fp32", "backward": "fp16"}).is_fp32
+
+
+def test_digits_split_is_deterministic_and_standardized():
+    x_train, y_train, x_test, y_test = load_digits_split(seed=3)
+    again = load_digits_split(seed=3)
+    assert all(torch.equal(a, b) for a, b in zip((x_train, y_train, x_test, y_test), again))
+    assert x_train.shape[1:] == (1, 8, 8) and len(x_train) + len(x_test) == 1797
+    assert abs(x_train.mean().item()) < 1e-5 and abs(x_train.std().item() - 1) < 1e-3
+    assert set(y_test.tolist()) == set(range(10))
+    assert not torch.equal(load_digits_split(seed=4)[1], y_train)
+    with pytest.raises(QSyncError, match="test_fraction"):
+        load_digits_split(test_fraction=1.5)
