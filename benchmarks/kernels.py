@@ -8,6 +8,13 @@ pass, e.g. abs-max + quantize reads the input twice), the STREAM-like copy bandw
 in the same run, the percentage of it, the closest torch equivalent's GB/s (same byte count)
 and our speed-up over it. Times are medians of ``--repeats`` runs after one warm-up. The CPU
 table always runs; a second table for CUDA tensors runs when CUDA is available.
+
+Each routine is timed twice: as users call it by default (``alloc``: a new output per call, so
+its first-touch page faults are included; large CPU outputs are advised as huge pages) and
+with a preallocated ``out=`` tensor reused across calls (``out=``; "-" where the routine
+has no ``out=``). The torch column is torch's allocating call; "x torch" compares both of
+ours with it. The byte count is what the routine must move: a given-scale quantize reads x
+once (its NaN/Inf check is fused), abs-max + quantize reads it twice.
 """
 
 import os
@@ -46,11 +53,17 @@ def _median_s(fn, repeats, sync):
 
 
 def _routines(x):
-    """(name, bytes per element, ours, torch equivalent or None)."""
+    """(name, bytes per element, ours, ours with out= or None, torch equivalent or None)."""
     amax = float(x.abs().max())
     scale = torch.tensor(amax / 127)
     codes = K.quantize_int8(x).codes
     inv = 127 / amax
+    o8 = torch.empty_like(x, dtype=torch.int8)
+    o32 = torch.empty_like(x)
+    o16 = torch.empty_like(x, dtype=torch.float16)
+    ob16 = torch.empty_like(x, dtype=torch.bfloat16)
+    oe4 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    oe5 = torch.empty_like(x, dtype=torch.float8_e5m2)
 
     def torch_quant():
         with warnings.catch_warnings():
@@ -64,37 +77,44 @@ def _routines(x):
             return torch.quantize_per_tensor(x, s, 0, torch.qint8)
 
     return [
-        ("absmax", 4, lambda: K.absmax(x), lambda: x.abs().amax()),
-        ("int8 quantize, given scale (+NaN pass)", 9,
-         lambda: K.quantize_int8(x, scale=scale), torch_quant),
-        ("int8 absmax+quantize (RNE)", 9, lambda: K.quantize_int8(x), torch_amax_quant),
+        ("absmax", 4, lambda: K.absmax(x), None, lambda: x.abs().amax()),
+        ("int8 quantize, given scale", 5, lambda: K.quantize_int8(x, scale=scale),
+         lambda: K.quantize_int8(x, scale=scale, out=o8), torch_quant),
+        ("int8 absmax+quantize (RNE)", 9, lambda: K.quantize_int8(x),
+         lambda: K.quantize_int8(x, out=o8), torch_amax_quant),
         ("int8 absmax+quantize (stochastic)", 9,
          lambda: K.quantize_int8(x, rounding="stochastic"),
+         lambda: K.quantize_int8(x, rounding="stochastic", out=o8),
          lambda: torch.clamp(torch.floor(x * (127 / float(x.abs().amax())) + torch.rand_like(x)),
                              -127, 127).to(torch.int8)),
         ("int8 dequantize", 5, lambda: K.dequantize_int8(codes, scale),
-         lambda: codes.float() * scale),
+         lambda: K.dequantize_int8(codes, scale, out=o32), lambda: codes.float() * scale),
         ("int8 fake-quantize + stats", 12, lambda: K.fake_quantize_int8(x),
+         lambda: K.fake_quantize_int8(x, out=o32),
          lambda: torch.fake_quantize_per_tensor_affine(x, float(x.abs().amax()) / 127, 0,
                                                         -127, 127)),
-        ("cast fp32->fp16", 6, lambda: K.float_encode(x, "fp16"), lambda: x.to(torch.float16)),
-        ("cast fp32->bf16", 6, lambda: K.float_encode(x, "bf16"), lambda: x.to(torch.bfloat16)),
+        ("cast fp32->fp16", 6, lambda: K.float_encode(x, "fp16"),
+         lambda: K.float_encode(x, "fp16", out=o16), lambda: x.to(torch.float16)),
+        ("cast fp32->bf16", 6, lambda: K.float_encode(x, "bf16"),
+         lambda: K.float_encode(x, "bf16", out=ob16), lambda: x.to(torch.bfloat16)),
         ("cast fp32->fp8 e4m3", 5, lambda: K.float_encode(x, "fp8_e4m3"),
-         lambda: x.to(torch.float8_e4m3fn)),
+         lambda: K.float_encode(x, "fp8_e4m3", out=oe4), lambda: x.to(torch.float8_e4m3fn)),
         ("cast fp32->fp8 e5m2", 5, lambda: K.float_encode(x, "fp8_e5m2"),
-         lambda: x.to(torch.float8_e5m2)),
+         lambda: K.float_encode(x, "fp8_e5m2", out=oe5), lambda: x.to(torch.float8_e5m2)),
         ("fake cast e4m3 (fp32 out)", 8, lambda: K.float_round(x, "fp8_e4m3"),
+         lambda: K.float_round(x, "fp8_e4m3", out=o32),
          lambda: x.to(torch.float8_e4m3fn).float()),
         ("APS e5m2 quantize (given shift)", 8, lambda: K.aps_quantize(x, 3, (5, 2)),
+         lambda: K.aps_quantize(x, 3, (5, 2), out=o32),
          lambda: (x * 8).to(torch.float8_e5m2).float()),
         ("Global-QSGD std encode (+check)", 9,
-         lambda: K.global_qsgd_encode(x, amax, 4, seed=1),
+         lambda: K.global_qsgd_encode(x, amax, 4, seed=1), None,
          lambda: torch.clamp(torch.floor(x * (31 * inv / 127) + torch.rand_like(x)),
                              -31, 31).to(torch.int8)),
-        ("QSGD s=15 encode (norm+quant)", 9, lambda: K.qsgd_encode(x, 15, seed=1),
+        ("QSGD s=15 encode (norm+quant)", 9, lambda: K.qsgd_encode(x, 15, seed=1), None,
          lambda: torch.clamp(torch.floor(x * (15 / float(torch.linalg.vector_norm(x)))
                                           + torch.rand_like(x)), -15, 15).to(torch.int8)),
-        ("CGX 4-bit B=512 encode", 8.5, lambda: K.cgx_encode(x, 4, 512), None),
+        ("CGX 4-bit B=512 encode", 8.5, lambda: K.cgx_encode(x, 4, 512), None, None),
     ]
 
 
@@ -111,19 +131,19 @@ def _table(x, repeats, sync, label):
     copy_gbs = 8 * n / copy_s / 1e9
     print(f"\n{label}: {n:,} float32 elements, median of {repeats}; copy = {copy_gbs:.1f} GB/s "
           "(read + write)")
-    head = f"{'routine':40} {'B/elem':>6} {'ours GB/s':>9} {'copy GB/s':>9} {'% copy':>7} " \
-           f"{'torch GB/s':>10} {'ours/torch':>10}"
+    head = f"{'routine':34} {'B/elem':>6} {'alloc GB/s':>10} {'%copy':>5} {'out= GB/s':>9} " \
+           f"{'%copy':>5} {'torch GB/s':>10} {'x torch (alloc/out=)':>20}"
     print(head)
     print("-" * len(head))
-    for name, bpe, ours, theirs in _routines(x):
-        ours_gbs = bpe * n / _median_s(ours, repeats, sync) / 1e9
-        if theirs is None:
-            t_col, r_col = "-", "-"
-        else:
-            t_gbs = bpe * n / _median_s(theirs, repeats, sync) / 1e9
-            t_col, r_col = f"{t_gbs:.1f}", f"{ours_gbs / t_gbs:.2f}x"
-        print(f"{name:40} {bpe:>6} {ours_gbs:>9.1f} {copy_gbs:>9.1f} "
-              f"{100 * ours_gbs / copy_gbs:>6.0f}% {t_col:>10} {r_col:>10}")
+    for name, bpe, ours, ours_out, theirs in _routines(x):
+        gbs = [bpe * n / _median_s(f, repeats, sync) / 1e9 if f else None
+               for f in (ours, ours_out)]
+        t_gbs = bpe * n / _median_s(theirs, repeats, sync) / 1e9 if theirs else None
+        cols = [f"{g:>{w}.1f} {100 * g / copy_gbs:>4.0f}%" if g else f"{'-':>{w}} {'-':>5}"
+                for g, w in zip(gbs, (10, 9))]
+        ratio = "/".join(f"{g / t_gbs:.2f}" if g else "-" for g in gbs) + "x" if t_gbs else "-"
+        print(f"{name:34} {bpe:>6} {cols[0]} {cols[1]} "
+              f"{f'{t_gbs:.1f}' if t_gbs else '-':>10} {ratio:>20}", flush=True)
 
 
 def main():

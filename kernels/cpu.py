@@ -6,8 +6,17 @@ contiguous chunks per thread; each chunk walks the row segments it covers, so th
 loop has one scale and no index arithmetic and vectorises. Float32 values are read as
 ``uint32`` bit views where the bits matter (abs-max, float formats). Nothing here allocates
 outputs except small partial-result arrays; the dispatcher passes preallocated outputs.
-Numerics follow ``reference.py`` exactly (no fastmath).
+Numerics follow ``reference.py`` exactly (no fastmath: nothing here would gain from it
+without changing a rounding or NaN result). Hot loops were checked in the assembly: abs-max
+is ``vpand``/``vpmaxsd`` on 32-bit lanes, dequantize ``vpmovsxbd``/``vcvtdq2ps``/``vmulps``,
+RNE quantize ``vdivps``/``vroundps``/``vcvttps2dq``, the float casts blend-based.
+
+Threading: Numba's default layer is used (``omp`` here; ``workqueue`` measured the same on
+these memory-bound loops, ``tbb`` is not installed) and nothing is set at import, since a
+threading layer is process-wide and other Numba code may depend on it.
 """
+
+import functools
 
 import numba
 import numpy as np
@@ -43,17 +52,23 @@ def _segment(i, end, inner, nch):
 
 @njit(parallel=True)
 def absmax_bits(xb, mask, inner, nch, out):
-    """Per-channel max of ``xb & mask`` (abs-max on float bit patterns) into int64 ``out``."""
+    """Per-channel max of ``xb & mask`` (abs-max on float bit patterns) into int64 ``out``.
+
+    ``xb`` is the int32 (fp32) or int16 (fp16/bf16) view of the data; masking off the sign
+    leaves a non-negative value of the same width, so the running max stays in 32/16-bit
+    lanes (``vpand`` + ``vpmaxsd``/``vpmaxsw``) and NaN, whose bits exceed Inf's, wins.
+    """
     n = xb.size
     nck = _nchunks(n)
     part = np.zeros((nck, nch), dtype=np.int64)
+    m0 = xb.dtype.type(mask)
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
         while i < end:
             c, stop = _segment(i, end, inner, nch)
             m = xb.dtype.type(0)
             for j in range(i, stop):
-                m = max(m, xb[j] & mask)
+                m = max(m, xb.dtype.type(xb[j] & m0))
             part[k, c] = max(part[k, c], np.int64(m))
             i = stop
     for c in range(nch):
@@ -65,13 +80,20 @@ def absmax_bits(xb, mask, inner, nch, out):
 
 @njit(parallel=True)
 def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
-    """int8 codes of float32 ``x``: RNE ``rint(x/s)`` or stochastic, clamped to ±qmax."""
+    """int8 codes of float32 ``x``: RNE ``rint(x/s)`` or stochastic, clamped to ±qmax.
+
+    Returns the largest ``|x|`` bit pattern seen (an int), so a caller that has no abs-max
+    pass of its own can check for NaN/Inf (``>= 0x7F800000``) without reading x again.
+    """
     n = x.size
     nck = _nchunks(n)
     hi = np.float32(qmax)
     lo = -hi
+    xi = x.view(np.int32)
+    part = np.zeros(nck, dtype=np.int64)
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
+        m = np.int32(0)
         while i < end:
             c, stop = _segment(i, end, inner, nch)
             s = scales[c]
@@ -83,10 +105,14 @@ def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
                     u = np.float32(rng_bits(key, j) >> 8) * _UNIT24
                     q = f + np.float32(1) if u < v - f else f
                     out[j] = np.int8(min(max(q, lo), hi))
+                    m = max(m, np.int32(xi[j] & 0x7FFFFFFF))
             else:
                 for j in range(i, stop):
                     out[j] = np.int8(min(max(np.rint(x[j] / div), lo), hi))
+                    m = max(m, np.int32(xi[j] & 0x7FFFFFFF))
             i = stop
+        part[k] = m
+    return part.max()
 
 
 @njit(parallel=True)
@@ -137,28 +163,85 @@ def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out)
     sse_out[0] = sse.sum()
 
 
+# Float formats. The scalar source is ``floatfmt`` (shared with the CUDA kernels). With the
+# format a run-time tuple, Numba's 64-bit integer typing keeps the vector lanes 64 bits wide;
+# with the format a compile-time constant, LLVM folds the constants and narrows the hot loop
+# to 32-bit lanes (about twice the throughput). So large arrays get a kernel compiled for
+# their format (once per format and kernel, cached), small ones the generic kernel.
+SPECIALIZE_MIN = 1 << 18
+
+
 @njit(parallel=True)
-def float_encode(xb, fmt, out):
-    """Codes of float32 bits ``xb`` in ``fmt`` (``out`` is uint8 or uint16)."""
+def _float_encode(xb, fmt, out):
     for j in prange(xb.size):
         out[j] = ff_encode(xb[j], fmt)
 
 
 @njit(parallel=True)
+def _float_round(x, p1, p2, fmt, out):
+    xb = x.view(np.uint32)
+    p1 = np.float32(p1)
+    p2 = np.float32(p2)
+    prescale = p1 != 1 or p2 != 1
+    if prescale:
+        for j in prange(x.size):
+            out[j] = ff_round(np.float32(x[j] * p1 * p2).view(np.uint32), fmt)
+    else:
+        for j in prange(x.size):
+            out[j] = ff_round(xb[j], fmt)
+
+
+@functools.cache
+def _encode_for(fmt):
+    F = tuple(int(v) for v in fmt)
+
+    @njit(parallel=True)
+    def kernel(xb, out):
+        for j in prange(xb.size):
+            out[j] = ff_encode(xb[j], F)
+
+    return kernel
+
+
+@functools.cache
+def _round_for(fmt, prescale):
+    F = tuple(int(v) for v in fmt)
+
+    if prescale:
+        @njit(parallel=True)
+        def kernel(x, p1, p2, out):
+            p1 = np.float32(p1)
+            p2 = np.float32(p2)
+            for j in prange(x.size):
+                out[j] = ff_round(np.float32(x[j] * p1 * p2).view(np.uint32), F)
+    else:
+        @njit(parallel=True)
+        def kernel(x, p1, p2, out):
+            xb = x.view(np.uint32)
+            for j in prange(x.size):
+                out[j] = ff_round(xb[j], F)
+
+    return kernel
+
+
+def float_encode(xb, fmt, out):
+    """Codes of float32 bits ``xb`` in ``fmt`` (``out`` is uint8 or uint16)."""
+    if xb.size >= SPECIALIZE_MIN:
+        _encode_for(tuple(fmt))(xb, out)
+    else:
+        _float_encode(xb, tuple(fmt), out)
+
+
 def float_round(x, p1, p2, fmt, out):
     """float32 bits of ``x * p1 * p2`` rounded to ``fmt`` into uint32 ``out``.
 
     With ``p1 == p2 == 1`` the input bits are used untouched (NaN payloads survive).
     """
-    xb = x.view(np.uint32)
-    p1 = np.float32(p1)
-    p2 = np.float32(p2)
-    prescale = p1 != 1 or p2 != 1
-    for j in prange(x.size):
-        if prescale:
-            out[j] = ff_round(np.float32(x[j] * p1 * p2).view(np.uint32), fmt)
-        else:
-            out[j] = ff_round(xb[j], fmt)
+    if x.size >= SPECIALIZE_MIN:
+        prescale = np.float32(p1) != 1 or np.float32(p2) != 1
+        _round_for(tuple(fmt), bool(prescale))(x, p1, p2, out)
+    else:
+        _float_round(x, p1, p2, tuple(fmt), out)
 
 
 @njit(parallel=True)

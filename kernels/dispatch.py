@@ -11,7 +11,17 @@ Conventions:
   Kernels read float32: fp16/bf16 inputs, and non-contiguous ones, are first made
   contiguous float32 by one documented copy (``x.to(torch.float32).contiguous()``, exact);
   a contiguous float32 tensor is used in place. ``absmax`` reads fp16/bf16 bits directly.
-* Outputs are new tensors on the input's device, written in place by the kernels.
+* Outputs are new tensors on the input's device, written in place by the kernels, or the
+  caller's ``out=`` tensor (quantize/dequantize/fake-quantize/float casts/APS): it must be
+  contiguous with the result's exact shape, dtype and device (else QSyncError), and is
+  overwritten. Reusing ``out=`` skips the allocation and its first-touch page faults, which
+  on CPU cost as much as the kernel itself for large tensors. New CPU outputs of 4 MiB or
+  more are advised as transparent huge pages (``madvise(MADV_HUGEPAGE)`` on that buffer only,
+  Linux; a no-op elsewhere), which makes first touch ~4x cheaper.
+* CPU threads: Numba's default threading layer and thread count (``NUMBA_NUM_THREADS``) are
+  used as is; nothing here changes process-wide settings. torch's OpenMP workers spin for a
+  while after each torch op and can take cores from Numba's threads: set
+  ``OMP_WAIT_POLICY=PASSIVE`` before starting Python when mixing both in a hot loop.
 * NaN/Inf: ``absmax`` propagates NaN like ``torch.amax``; the float-format casts handle them
   exactly like torch's casts; every integer quantizer (int8, Global-QSGD, CGX, QSGD) raises
   QSyncError, found by the abs-max (or norm) pass it needs anyway.
@@ -200,6 +210,75 @@ def _bits_to_float(bits, dtype):
     return bits.to(torch.int16).view(torch.float16).to(torch.float32)
 
 
+_HUGE_MIN = 4 << 20
+_HUGE = 1 << 21
+
+
+@functools.cache
+def _madvise():
+    """libc ``madvise`` (or None where there is none, or THP is off)."""
+    try:
+        import ctypes
+        import sys
+
+        if not sys.platform.startswith("linux"):
+            return None
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return None
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+def _empty(shape, dtype, device=None):
+    """``torch.empty`` whose large CPU buffers are advised as transparent huge pages.
+
+    A fresh 256 MB output takes 65,536 4-KiB page faults on first touch (more time than the
+    kernel itself); with huge pages it takes 128. Only this buffer's aligned interior is
+    advised; the memory is released as usual when the tensor dies.
+    """
+    t = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = t.numel() * t.element_size()
+    if nbytes >= _HUGE_MIN and not t.is_cuda:
+        madvise = _madvise()
+        if madvise is not None:
+            p = t.data_ptr()
+            lo = -(-p // _HUGE) * _HUGE
+            hi = (p + nbytes) // _HUGE * _HUGE
+            if hi > lo:
+                madvise(lo, hi - lo, 14)  # MADV_HUGEPAGE; advisory, failure is harmless
+    return t
+
+
+def _out(out, shape, dtype, device, name="out"):
+    """The caller's ``out`` after validation, or a new tensor when it is None."""
+    if out is None:
+        return _empty(shape, dtype, device)
+    if not isinstance(out, torch.Tensor):
+        raise QSyncError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    shape = tuple(shape)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != torch.device(device) \
+            or not out.is_contiguous():
+        raise QSyncError(
+            f"{name} must be a contiguous {dtype} tensor of shape {shape} on {device}; got "
+            f"{'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    return out
+
+
+def _into(result, out):
+    """``result`` copied into the caller's ``out`` (when given and not already it)."""
+    if out is None or out is result:
+        return result
+    out.copy_(result)
+    return out
+
+
 def _from_numpy(a, device):
     import numpy as np
 
@@ -272,11 +351,18 @@ def _channel_scales(scale, x, axis, nch):
     return scale if scale.numel() else torch.ones(nch, device=x.device)
 
 
-def _quantize(x, axis, scale, qmax, stochastic, seed, be):
-    """int8 codes of x (float tensor) with a [nch] scale; the shared core of int8/QSGD."""
+def _quantize(x, axis, scale, qmax, stochastic, seed, be, out=None, check=False):
+    """int8 codes of x (float tensor) with a [nch] scale; the shared core of int8/QSGD.
+
+    ``check``: also raise for NaN/Inf in x (the CPU kernel finds them in the same pass; other
+    backends run the abs-max pass first).
+    """
     axis, inner, nch = _geometry(x, axis)
+    codes = _out(out, x.shape, torch.int8, x.device)
+    if check and be != "cpu":
+        _finite_absmax(x, axis, be)
     if be == "reference":
-        codes = ref.quantize(
+        res = ref.quantize(
             x.detach().cpu().float().numpy(),
             scale.cpu().numpy() if axis is not None else scale.cpu().numpy()[0],
             axis,
@@ -284,17 +370,19 @@ def _quantize(x, axis, scale, qmax, stochastic, seed, be):
             stochastic,
             seed,
         )
-        return _from_numpy(codes, x.device)
+        return _into(_from_numpy(res, x.device), out)
     xf = _f32(x.detach())
-    codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     if x.numel():
-        _kernels(be).quantize(
+        top = _kernels(be).quantize(
             _arr(xf), _arr(scale), inner, nch, qmax, stochastic, rng_key(seed), _arr(codes)
         )
+        if check and be == "cpu" and top >= 0x7F800000:
+            raise _nan_error()
     return codes
 
 
-def quantize_int8(x, *, axis=None, scale=None, rounding="nearest", seed=0, backend="auto"):
+def quantize_int8(x, *, axis=None, scale=None, rounding="nearest", seed=0, backend="auto",
+                  out=None):
     """Quantize to symmetric int8 (zero-point 0, codes in [-127, 127]).
 
     ``scale = absmax / 127`` (per tensor or per channel) unless given. ``rounding="nearest"``
@@ -309,6 +397,9 @@ def quantize_int8(x, *, axis=None, scale=None, rounding="nearest", seed=0, backe
         rounding: "nearest" or "stochastic".
         seed: stream for stochastic rounding, 0 <= seed < 2**63.
         backend: "auto", "cpu", "cuda" or "reference".
+        out: optional contiguous int8 tensor of x's shape and device for the codes (with a
+            given scale, x is read once: NaN/Inf are found in the same pass, and then ``out``
+            holds garbage).
 
     Returns:
         Int8Tensor(codes, scale, axis).
@@ -326,29 +417,33 @@ def quantize_int8(x, *, axis=None, scale=None, rounding="nearest", seed=0, backe
     _check_seed(seed)
     be = _backend(x, backend)
     axis, inner, nch = _geometry(x, axis)
-    amax = _finite_absmax(x, axis, be)
     if scale is None:
+        amax = _finite_absmax(x, axis, be)
         scale = (amax / 127).reshape(-1).contiguous()
+        check = False
     else:
         scale = _channel_scales(scale, x, axis, nch)
-    codes = _quantize(x, axis, scale, 127, stochastic, seed, be)
+        check = True
+    codes = _quantize(x, axis, scale, 127, stochastic, seed, be, out, check)
     return Int8Tensor(codes, scale.reshape(() if axis is None else (-1,)), axis)
 
 
-def _dequantize(codes, scale, axis, be):
+def _dequantize(codes, scale, axis, be, out=None):
     axis_, inner, nch = _geometry(codes, axis)
     if be == "reference":
         s = scale.cpu().numpy()
-        out = ref.dequantize(codes.cpu().numpy(), s if axis_ is not None else s[0], axis_)
-        return _from_numpy(out, codes.device)
-    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        res = ref.dequantize(codes.cpu().numpy(), s if axis_ is not None else s[0], axis_)
+        return _into(_from_numpy(res, codes.device), out)
+    out = _out(out, codes.shape, torch.float32, codes.device)
     if codes.numel():
         _kernels(be).dequantize(_arr(codes.contiguous()), _arr(scale), inner, nch, _arr(out))
     return out
 
 
-def dequantize_int8(codes, scale, *, axis=None, dtype=torch.float32, backend="auto"):
+def dequantize_int8(codes, scale, *, axis=None, dtype=torch.float32, backend="auto", out=None):
     """Return ``codes * scale`` (computed in float32, then cast to ``dtype``).
+
+    ``out``: optional contiguous tensor of ``dtype`` and the codes' shape and device.
 
     Example::
 
@@ -363,11 +458,18 @@ def dequantize_int8(codes, scale, *, axis=None, dtype=torch.float32, backend="au
     be = _backend(codes, backend)
     axis_, _, nch = _geometry(codes, axis)
     scale = _channel_scales(scale, codes, axis_, nch)
-    return _dequantize(codes, scale, axis_, be).to(dtype)
+    if out is None:
+        return _dequantize(codes, scale, axis_, be).to(dtype)
+    _out(out, codes.shape, dtype, codes.device)
+    if dtype == torch.float32:
+        return _dequantize(codes, scale, axis_, be, out)
+    return _into(_dequantize(codes, scale, axis_, be).to(dtype), out)
 
 
-def fake_quantize_int8(x, *, axis=None, rounding="nearest", seed=0, backend="auto"):
+def fake_quantize_int8(x, *, axis=None, rounding="nearest", seed=0, backend="auto", out=None):
     """Quantize to int8 and back in one pass; also return the error statistics.
+
+    ``out``: optional contiguous tensor of x's shape, dtype and device for the output.
 
     The output has x's dtype: the float32 value ``q * scale`` rounded once (RNE) to it.
     ``sse`` is the float64 sum of (output - x)² (summation order differs by backend, so it
@@ -390,23 +492,28 @@ def fake_quantize_int8(x, *, axis=None, rounding="nearest", seed=0, backend="aut
     scale = (amax / 127).reshape(-1).contiguous()
     out_scale = scale.reshape(() if axis is None else (-1,))
     fmt = _OUT_FORMAT[x.dtype]
+    if out is not None:
+        _out(out, x.shape, x.dtype, x.device)
     if be == "reference":
         s = scale.cpu().numpy()
         y, sse = ref.fake_quantize(
             x.detach().cpu().float().numpy(), s if axis is not None else s[0],
             axis, stochastic, seed, fmt,
         )
-        out = _from_numpy(y, x.device).to(x.dtype)
-        return FakeQuantResult(out, sse, x.numel(), out_scale)
+        res = _into(_from_numpy(y, x.device).to(x.dtype), out)
+        return FakeQuantResult(res, sse, x.numel(), out_scale)
     xf = _f32(x.detach())
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    user_out = out
+    if out is None or x.dtype != torch.float32:
+        out = _empty(x.shape, torch.float32, x.device)
     acc = torch.zeros(1, dtype=torch.float64, device=x.device)
     if x.numel():
         _kernels(be).fake_quantize(
             _arr(xf), _arr(scale), inner, nch, stochastic, rng_key(seed), fmt, _arr(out),
             _arr(acc),
         )
-    return FakeQuantResult(out.to(x.dtype), float(acc.item()), x.numel(), out_scale)
+    res = out.to(x.dtype) if user_out is None else _into(out, user_out)
+    return FakeQuantResult(res, float(acc.item()), x.numel(), out_scale)
 
 
 # ----------------------------------------------------------------------------- float formats
@@ -445,7 +552,7 @@ def _format_tuple(fmt):
     return _TORCH_FORMATS[_torch_format(fmt)]
 
 
-def float_encode(x, fmt, *, backend="auto"):
+def float_encode(x, fmt, *, backend="auto", out=None):
     """Cast to fp16, bf16, fp8 e4m3fn or fp8 e5m2: bit-exact with ``x.to(dtype)``.
 
     RNE with subnormals; fp16/bf16/e5m2 overflow to ±Inf, e4m3fn saturates to ±448 (Inf
@@ -455,6 +562,7 @@ def float_encode(x, fmt, *, backend="auto"):
         x: float32/float16/bfloat16 tensor.
         fmt: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", a Precision or the torch dtype.
         backend: "auto", "cpu", "cuda" or "reference".
+        out: optional contiguous tensor of the format's dtype, x's shape and device.
 
     Example::
 
@@ -471,9 +579,10 @@ def float_encode(x, fmt, *, backend="auto"):
     if be == "reference":
         codes = ref.encode_format(x.detach().cpu().float().numpy(), spec)
         codes = torch.from_numpy(codes.astype("uint8" if dtype.itemsize == 1 else "uint16"))
-        return codes.view(code_dtype).view(dtype).to(x.device)
+        res = codes.view(code_dtype).view(dtype).to(x.device)
+        return res if out is None else _into(res, _out(out, x.shape, dtype, x.device))
+    out = _out(out, x.shape, dtype, x.device)
     xf = _f32(x.detach())
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel():
         out_codes = _arr(out.view(code_dtype))
         if dtype.itemsize == 2:
@@ -482,12 +591,13 @@ def float_encode(x, fmt, *, backend="auto"):
     return out
 
 
-def _round(x, spec, p1, p2, be):
+def _round(x, spec, p1, p2, be, out=None):
     if be == "reference":
         y = ref.round_scaled(x.detach().cpu().float().numpy(), p1, p2, spec)
-        return _from_numpy(y, x.device)
+        res = _from_numpy(y, x.device)
+        return res if out is None else _into(res, _out(out, x.shape, torch.float32, x.device))
+    out = _out(out, x.shape, torch.float32, x.device)
     xf = _f32(x.detach())
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.numel():
         _kernels(be).float_round(
             _arr(xf), p1, p2, spec, _arr(out.view(torch.int32)).view("uint32")
@@ -495,13 +605,14 @@ def _round(x, spec, p1, p2, be):
     return out
 
 
-def float_round(x, fmt, *, backend="auto"):
+def float_round(x, fmt, *, backend="auto", out=None):
     """Round to the nearest value of a float format, held in float32 (fake cast).
 
     ``fmt`` is a named format (as in ``float_encode``; then the result equals
     ``x.to(dtype).float()`` for every non-NaN input) or ``(exp_bits, man_bits)`` for an
     IEEE-like format as in CPD: bias ``2**(e-1)-1``, subnormals, RNE, top exponent reserved
-    for Inf, a carry out of the top binade gives Inf. NaN keeps its bits; x is never changed.
+    for Inf, a carry out of the top binade gives Inf. NaN keeps its bits; x is never changed
+    (unless passed as ``out``: a contiguous float32 tensor of x's shape and device, x too).
 
     Example::
 
@@ -512,7 +623,7 @@ def float_round(x, fmt, *, backend="auto"):
     """
     _check_float(x)
     spec = _format_tuple(fmt)
-    return _round(x, spec, 1.0, 1.0, _backend(x, backend))
+    return _round(x, spec, 1.0, 1.0, _backend(x, backend), out)
 
 
 # ----------------------------------------------------------------------------- APS
@@ -563,8 +674,10 @@ def aps_shift(exponent, fmt):
     return ref.aps_shift(int(exponent), _format_tuple(fmt))
 
 
-def aps_quantize(x, shift, fmt, *, backend="auto"):
+def aps_quantize(x, shift, fmt, *, backend="auto", out=None):
     """APS: round ``x · 2**shift`` (exact scaling) to ``fmt``; the values stay scaled.
+
+    ``out``: optional contiguous float32 tensor of x's shape and device.
 
     Example::
 
@@ -575,7 +688,7 @@ def aps_quantize(x, shift, fmt, *, backend="auto"):
     """
     _check_float(x)
     p1, p2 = ref.pow2_factors(int(shift))
-    return _round(x, _format_tuple(fmt), p1, p2, _backend(x, backend))
+    return _round(x, _format_tuple(fmt), p1, p2, _backend(x, backend), out)
 
 
 def aps_dequantize(y, shift, *, backend="auto"):
@@ -641,7 +754,7 @@ def global_qsgd_encode(x, global_max, n_workers, *, dithering="standard", seed=0
     if be == "reference":
         codes = ref.exp_dither_encode(x.detach().cpu().float().numpy(), m, seed)
         return _from_numpy(codes, x.device)
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    codes = _empty(x.shape, dtype=torch.uint8, device=x.device)
     if x.numel():
         _kernels(be).exp_dither_encode(_arr(_f32(x.detach())), float(m), rng_key(seed),
                                        _arr(codes))
@@ -671,7 +784,7 @@ def global_qsgd_decode(codes, global_max, n_workers, *, dithering="standard", ba
     be = _backend(codes, backend)
     if be == "reference":
         return _from_numpy(ref.exp_dither_decode(codes.cpu().numpy(), m), codes.device)
-    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    out = _empty(codes.shape, dtype=torch.float32, device=codes.device)
     if codes.numel():
         _kernels(be).exp_dither_decode(_arr(codes.contiguous()), m, _arr(out))
     return out
@@ -713,12 +826,12 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, backe
         meta = ref.cgx_meta(xf, bucket_size, bits)
         codes = ref.cgx_codes(xf, meta, bucket_size, bits, stochastic, seed)
         payload = ref.pack_bits(codes, bits).reshape(-1, bits) if n else None
-        payload = _from_numpy(payload, x.device) if n else torch.empty((0, bits), dtype=torch.uint8)
+        payload = _from_numpy(payload, x.device) if n else _empty((0, bits), dtype=torch.uint8)
         meta = _from_numpy(meta, x.device)
     else:
         xf = _f32(x.detach())
-        meta = torch.empty((groups, 2), dtype=torch.float32, device=x.device)
-        payload = torch.empty((-(-n // 8), bits), dtype=torch.uint8, device=x.device)
+        meta = _empty((groups, 2), dtype=torch.float32, device=x.device)
+        payload = _empty((-(-n // 8), bits), dtype=torch.uint8, device=x.device)
         if n:
             k = _kernels(be)
             k.cgx_meta(_arr(xf), bucket_size, levels, _arr(meta).reshape(groups, 2))
@@ -739,7 +852,7 @@ def cgx_decode(packed, *, backend="auto"):
         out = _from_numpy(ref.cgx_decode_codes(codes, meta.cpu().numpy(), packed.bucket_size),
                           payload.device)
     else:
-        out = torch.empty(n, dtype=torch.float32, device=payload.device)
+        out = _empty(n, dtype=torch.float32, device=payload.device)
         if n:
             _kernels(be).cgx_decode(_arr(payload.contiguous()), _arr(meta).reshape(-1, 2),
                                     packed.bucket_size, packed.bits, _arr(out))

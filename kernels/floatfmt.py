@@ -16,15 +16,22 @@ A format is a tuple of four ints ``(E, M, SAT, NAN)``:
 ``encode`` maps float32 bits (an unsigned 32-bit int) to the format's code, bit-exact with
 torch's cast; ``round_bits`` maps float32 bits to the float32 bits of the nearest
 representable value (emulation held in float32, like CPD's ``cast_precision`` without its
-bugs). NaN inputs come back unchanged from ``round_bits``. Everything is integer arithmetic
-except one exact power-of-two product for subnormal results, so results are identical on
-every backend. ``build(jit)`` compiles the set with a Numba decorator (``njit`` or
+bugs). NaN inputs come back unchanged from ``round_bits``.
+
+The functions are branch-free (for speed: the CPU kernels vectorise them): every range's
+result is computed with 32-bit integer bit arithmetic and picked by selects on float
+compares of ``|x|``. Subnormal results use exact float additions of a power of two whose ulp
+is the format's quantum (the FPU's RNE does the rounding; no FMA can arise, no
+flush-to-zero is assumed anywhere), so results are identical on every backend. ``build(jit)`` compiles the set with a Numba decorator (``njit`` or
 ``cuda.jit(device=True)``); the plain functions are the simulator's and the tests' versions.
 """
 
 from types import SimpleNamespace
 
 import numpy as np
+
+u32 = np.uint32
+f32 = np.float32
 
 NAN_PAYLOAD = 0
 NAN_ONES = 1
@@ -42,79 +49,117 @@ def ieee_format(exp_bits, man_bits):
     return (int(exp_bits), int(man_bits), 0, NAN_PAYLOAD)
 
 
-def encode(b, fmt):
-    """Return the code of float32 bits ``b`` (0 <= b < 2**32) in format ``fmt``."""
+def constants(fmt):
+    """Return the loop-invariant integer constants of ``fmt`` used by ``encode``/``decode``.
+
+    ``(sh, odd, half_m1, rebias, emin_bits, magic_bits, top_bits, limit, nan_base, pmask,
+    sign_sh, mag_mask, inf_code, norm_min)``: the mantissa shift ``23 - M``, the RNE addends, the
+    exponent re-bias ``(127 - bias) << M``, float32 bits of the smallest normal ``2**emin``
+    and of ``2**(emin + 23 - M)`` (whose ulp is the subnormal quantum), float32 bits of the
+    smallest value that rounds to the top code ``limit``-or-beyond (``max + ulp/2``, or the
+    next binade when that is not a float32), the NaN code pieces, the shift that moves the
+    float32 sign bit to the format's, and the magnitude mask, the Inf code (past the
+    magnitudes if none) and the smallest normal code ``2**M``.
+    Every shift amount is masked to 0..31 so compilers can keep 32-bit lanes.
+    """
     E, M, sat, nan_mode = fmt
-    b = np.int64(b)
     bias = (1 << (E - 1)) - 1
     sh = 23 - M
-    emin_b = 128 - bias  # float32 biased exponent of the format's smallest normal
+    odd = 1 if sh > 0 else 0
     exp_all = ((1 << E) - 1) << M
-    sign = (b >> 31) << (E + M)
-    a = b & 0x7FFFFFFF
-    if a > 0x7F800000:
-        if nan_mode == NAN_PAYLOAD:
-            return sign | exp_all | (1 << (M - 1)) | ((a & 0x7FFFFF) >> sh)
-        if nan_mode == NAN_ONES:
-            return sign | exp_all | ((1 << M) - 1)
-        return (1 << (E + M + 1)) - 1
-    e = a >> 23
-    if e >= emin_b:
-        # Normal: round the float32 bits themselves; a mantissa carry moves into the exponent.
-        if sh > 0:
-            a = (a + (1 << (sh - 1)) - 1 + ((a >> sh) & 1)) >> sh
-        mag = a - ((127 - bias) << M)
+    emax_b = 127 + (1 << E) - 1 - bias - (0 if sat else 1)
+    top = ((1 << M) - 2) if sat else ((1 << M) - 1)
+    if sh > 0:
+        top_bits = (emax_b << 23) | (top << sh) | (1 << (sh - 1))
     else:
-        # Subnormal in the format: count quanta of 2**(emin - M) in the significand.
-        sig = a & 0x7FFFFF
-        if e > 0:
-            sig = sig | 0x800000
-        s2 = min(sh + emin_b - max(e, 1), 26)
-        if s2 > 0:
-            sig = (sig + (1 << (s2 - 1)) - 1 + ((sig >> s2) & 1)) >> s2
-        mag = sig
-    limit = exp_all
-    if sat:
-        limit = exp_all | ((1 << M) - 2)
-    return sign | min(mag, limit)
+        top_bits = (emax_b + 1) << 23
+    limit = (exp_all | ((1 << M) - 2)) if sat else exp_all
+    if nan_mode == NAN_PAYLOAD:
+        nan_base = exp_all | ((1 << M) >> 1)
+        pmask = 0x7FFFFF
+    elif nan_mode == NAN_ONES:
+        nan_base = exp_all | ((1 << M) - 1)
+        pmask = 0
+    else:
+        nan_base = (1 << (E + M + 1)) - 1
+        pmask = 0
+    return (
+        sh & 31, odd, ((1 << sh) >> 1) - odd, (127 - bias) << M, (128 - bias) << 23,
+        (128 - bias + sh) << 23, top_bits, limit, nan_base, pmask, (31 - E - M) & 31,
+        (1 << (E + M)) - 1, (1 << (E + M)) if sat else exp_all, 1 << M,
+    )
 
 
-def decode(code, fmt):
-    """Return the float32 bits of a non-NaN code in format ``fmt``."""
-    E, M, sat, nan_mode = fmt
-    code = np.int64(code)
-    bias = (1 << (E - 1)) - 1
-    exp_all = ((1 << E) - 1) << M
-    sign = (code >> (E + M)) & 1
-    mag = code & ((1 << (E + M)) - 1)
-    if sat == 0 and mag >= exp_all:
-        bits = 0x7F800000
-    elif mag >= (1 << M):
-        bits = (mag + ((127 - bias) << M)) << (23 - M)
-    else:
-        # mag * 2**(emin - M), as two exact power-of-two products (the second may be subnormal).
-        p1 = np.uint32((128 - bias) << 23).view(np.float32)
-        p2 = np.uint32((127 - M) << 23).view(np.float32)
-        value = np.float32(np.float32(mag) * p1 * p2)
-        bits = np.int64(value.view(np.uint32))
-    return bits | (sign << 31)
+def _make_encode(consts):
+    def encode(b, fmt):
+        """Return the code of float32 bits ``b`` (0 <= b < 2**32) in format ``fmt``.
+
+        Branch-free: the normal-range result (RNE on the float32 bits), the subnormal result
+        (the FPU rounds ``|x| + 2**(emin + 23 - M)``, exact) and the overflow/NaN codes are
+        all computed and picked by selects, so a vectorising compiler emits blends. Float
+        compares on ``|x|`` pick the range; NaN fails every compare.
+        """
+        sh, odd, half_m1, rebias, emin_bits, magic_bits, top_bits, limit, nan_base, pmask, \
+            sign_sh, _, _, _ = consts(fmt)
+        b = u32(b)
+        a = u32(b & u32(0x7FFFFFFF))
+        ax = a.view(f32)
+        fmin = u32(emin_bits).view(f32)
+        sign = u32(u32(b & u32(0x80000000)) >> u32(sign_sh))
+        # normal: round the float32 bits themselves; a mantissa carry moves into the exponent
+        an = u32(f32(max(ax, fmin)).view(u32))
+        mag_n = u32(u32((an + u32(half_m1) + ((an >> u32(sh)) & u32(odd))) >> u32(sh))
+                    - u32(rebias))
+        # subnormal in the format: count quanta of 2**(emin - M), rounded by the FPU
+        magic = u32(magic_bits)
+        # (min first: NaN lanes must not reach float arithmetic, where sNaN would signal)
+        mag_s = u32(f32(min(fmin, ax) + magic.view(f32)).view(u32) - magic)
+        mag = mag_n if ax >= fmin else mag_s
+        mag = u32(limit) if ax >= u32(top_bits).view(f32) else mag
+        nan_code = u32(sign | u32(nan_base) | ((a & u32(pmask)) >> u32(sh)))
+        return u32(sign | mag) if ax == ax else nan_code
+
+    return encode
+
+
+def _make_decode(consts):
+    def decode(code, fmt):
+        """Return the float32 bits of a non-NaN code in format ``fmt`` (branch-free)."""
+        sh, _, _, rebias, _, magic_bits, _, _, _, _, sign_sh, mag_mask, inf_code, norm_min = \
+            consts(fmt)
+        code = u32(code)
+        mag = u32(code & u32(mag_mask))
+        sign = u32(u32(code & u32(mag_mask + 1)) << u32(sign_sh))
+        normal = u32(u32(mag + u32(rebias)) << u32(sh))
+        # mag * 2**(emin - M) for subnormal codes, exactly: (2**(emin+23-M) + mag·ulp) - 2**(...)
+        magic = u32(magic_bits)
+        small = min(mag, u32(norm_min))
+        sub = f32(u32(magic + small).view(f32) - magic.view(f32)).view(u32)
+        bits = normal if mag >= u32(norm_min) else u32(sub)
+        bits = u32(0x7F800000) if mag >= u32(inf_code) else bits
+        return u32(bits | sign)
+
+    return decode
 
 
 def _make_round(enc, dec):
     def round_bits(b, fmt):
         """Return the float32 bits of ``b`` rounded to ``fmt`` (NaN bits unchanged)."""
-        if (b & 0x7FFFFFFF) > 0x7F800000:
-            return b
-        return dec(enc(b, fmt), fmt)
+        b = u32(b)
+        r = dec(enc(b, fmt), fmt)
+        return r if u32(b & u32(0x7FFFFFFF)) <= u32(0x7F800000) else b
 
     return round_bits
 
 
+encode = _make_encode(constants)
+decode = _make_decode(constants)
 round_bits = _make_round(encode, decode)
 
 
 def build(jit):
     """Compile ``encode``, ``decode`` and ``round_bits`` with the decorator ``jit``."""
-    enc = jit(encode)
-    dec = jit(decode)
+    consts = jit(constants)
+    enc = jit(_make_encode(consts))
+    dec = jit(_make_decode(consts))
     return SimpleNamespace(encode=enc, decode=dec, round_bits=jit(_make_round(enc, dec)))
