@@ -9,6 +9,8 @@ batches, against the fp32 model on the same batches and dropout masks:
 
 Each indicator's quality is its Spearman rank correlation with these, over the operators it
 scores (weight-based baselines do not score matmuls; the row says how many ops were used).
+Indicators: ``qsync`` (ω), ``fisher`` (the first-order loss term of the same statistics),
+``hawq``, ``wvar`` and ``random``.
 """
 
 import copy
@@ -25,6 +27,9 @@ from qsync_lab.indicator.baselines import hawq_scores, random_scores, wvar_score
 from qsync_lab.indicator.scores import indicator
 from qsync_lab.modelstate import preserved_state
 from qsync_lab.precision import Precision
+
+
+INDICATORS = ("qsync", "fisher", "hawq", "wvar", "random")
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,8 @@ def indicator_quality(model: nn.Module, graph, calibration: Sequence, heldout: S
                       precision: "Precision | str", *, loss_fn: nn.Module, gamma: float = 4.0,
                       hawq_samples: int = 16, seed: int = 0,
                       progress: bool = True) -> QualityReport:
-    """Spearman ρ of QSync's indicator and the baselines (HAWQ, WVAR, random) with the
-    measured damage of quantizing one op at a time to ``precision``.
+    """Spearman ρ of QSync's indicator, its Fisher term and the baselines (HAWQ, WVAR,
+    random) with the measured damage of quantizing one op at a time to ``precision``.
 
     Args:
         model: the fp32 model (left unchanged).
@@ -99,12 +104,13 @@ def indicator_quality(model: nn.Module, graph, calibration: Sequence, heldout: S
                           progress=progress)
     table = truth.copy()
     table["qsync"] = scores[(p, "omega")]
+    table["fisher"] = scores[(p, "fisher")]
     table["hawq"] = hawq_scores(model, calibration, loss_fn, [p], num_batches=len(calibration),
                                 samples=hawq_samples, seed=seed)[p]
     table["wvar"] = wvar_scores(model, [p])[p]
     table["random"] = random_scores(list(table.index), [p], seed=seed)[p]
     rows = {}
-    for name in ("qsync", "hawq", "wvar", "random"):
+    for name in INDICATORS:
         ranked = table[[name, "loss_increase", "grad_deviation"]].dropna()
         rows[name] = {
             "ops": len(ranked),

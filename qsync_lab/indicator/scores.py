@@ -30,6 +30,13 @@ The combined score weights forward error by what lies downstream and backward er
 what lies upstream (``d`` = the op's forward depth, ``L`` = the graph's largest depth):
 
     ω = γ·(L − d)·V_f + d·V_b          (γ = 4 by default, as QSync)
+
+A fourth term goes beyond QSync: ``fisher = V_f · ‖G‖² / D_out``, the first-order expected
+squared change of the loss caused by the op's forward rounding (each output's error
+``δy`` moves the loss by ``g·δy``). Unlike ω it knows how much the loss cares about the
+op's output (a query projection feeding a flat softmax matters less than the value
+projection beside it; an embedding followed by a LayerNorm matters more than its tiny
+weights suggest). ``benchmarks/indicator_quality.py`` compares both against measured damage.
 """
 
 from collections.abc import Iterable, Sequence
@@ -43,7 +50,7 @@ from qsync_lab.indicator.formats import BACKWARD_PRECISION
 from qsync_lab.indicator.statistics import collect_statistics
 from qsync_lab.precision import Precision
 
-TERMS = ("V_f", "V_b", "omega")
+TERMS = ("V_f", "V_b", "omega", "fisher")
 
 
 def indicator(model: nn.Module, graph, batches: Iterable, *,
@@ -67,7 +74,7 @@ def indicator(model: nn.Module, graph, batches: Iterable, *,
     Returns:
         DataFrame indexed by op FQN (graph order) with columns ``("op", "kind")``,
         ``("op", "depth")`` and, per precision, ``(p, "V_f")``, ``(p, "V_b")``,
-        ``(p, "omega")`` — e.g. ``scores["int8"]["omega"]``.
+        ``(p, "omega")``, ``(p, "fisher")`` — e.g. ``scores["int8"]["omega"]``.
 
     Example::
 
@@ -105,6 +112,8 @@ def scores_from_statistics(stats: pd.DataFrame, graph, precisions, *,
         v_f, v_b = _terms(stats, p, needs_input_grad)
         columns[(str(p), "V_f")] = v_f
         columns[(str(p), "V_b")] = v_b
+        columns[(str(p), "fisher")] = v_f * stats["sumsq_g"].to_numpy(float) / stats[
+            "numel_g"].to_numpy(float)
     per_batch = pd.DataFrame(columns, index=stats["op"].to_numpy())
     terms = per_batch.groupby(level=0, sort=False).mean()
     order = [name for name in ops.index if name in terms.index]
@@ -118,6 +127,7 @@ def scores_from_statistics(stats: pd.DataFrame, graph, precisions, *,
         out[(str(p), "V_f")] = v_f
         out[(str(p), "V_b")] = v_b
         out[(str(p), "omega")] = gamma * (total_depth - depth) * v_f + depth * v_b
+        out[(str(p), "fisher")] = terms[(str(p), "fisher")]
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     out.index.name = "op"
     return out

@@ -63,7 +63,9 @@ def test_two_layer_terms_equal_a_hand_computation():
         if needs_input_grad:
             v_b += macs / (n_g * n_b) * (e_g * s_b + e_b * s_g)
         omega = 4 * (total_depth - depth[name]) * v_f + depth[name] * v_b
+        fisher = v_f * s_g / n_g
         row = scores.loc[name]
+        assert row[("int8", "fisher")] == pytest.approx(fisher, rel=1e-5)
         assert row[("int8", "V_f")] == pytest.approx(v_f, rel=1e-5)
         assert row[("int8", "V_b")] == pytest.approx(v_b, rel=1e-5)
         assert row[("int8", "omega")] == pytest.approx(omega, rel=1e-5)

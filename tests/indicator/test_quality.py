@@ -36,7 +36,8 @@ def test_the_outlier_layer_is_the_most_damaging_and_ranked_first():
     assert table["grad_deviation"].idxmax() == "2"
     assert table["qsync"].idxmax() == "2"
     assert (table["grad_deviation"] > 0).all()
-    assert list(report.correlations.index) == ["qsync", "hawq", "wvar", "random"]
+    assert table["fisher"].idxmax() == "2"
+    assert list(report.correlations.index) == ["qsync", "fisher", "hawq", "wvar", "random"]
     assert (report.correlations["ops"] == 3).all()
     assert report.correlations["rho_grad"].between(-1, 1).all()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
