@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.indicator.formats import FLOAT_FORMATS
 from qsync_lab.indicator.statistics import SCORED_KINDS
 from qsync_lab.graph.kinds import module_kind
 from qsync_lab.modelstate import preserved_state
@@ -29,7 +28,8 @@ from qsync_lab.precision import Precision
 
 def rounded(t: torch.Tensor, precision: "Precision | str", rounding: str = "nearest",
             seed: int = 0) -> torch.Tensor:
-    """``t`` rounded to ``precision`` and back to float32 (what the operators compute with).
+    """``t`` rounded to ``precision`` and back to float32, exactly as the operators encode
+    their operands (:mod:`qsync_lab.runtime.encoding`).
 
     Example::
 
@@ -37,23 +37,10 @@ def rounded(t: torch.Tensor, precision: "Precision | str", rounding: str = "near
         >>> rounded(torch.tensor([0.1, -1.0]), "bf16").tolist()
         [0.10009765625, -1.0]
     """
-    from qsync_lab.kernels import fake_quantize_int8, float_round
+    from qsync_lab.runtime.encoding import decode, encode
 
-    p = Precision.parse(precision)
-    t = t.detach().float()
-    if p is Precision.FP32 or t.numel() == 0:
-        return t.clone()
-    if p is Precision.INT8:
-        return fake_quantize_int8(t, rounding=rounding, seed=seed).output
-    fmt = FLOAT_FORMATS[p]
-    name = (fmt.exp_bits, fmt.man_bits) if p is Precision.TF32 else p
-    if fmt.scaled_max is None:
-        return float_round(t, name)
-    amax = t.abs().max()
-    if amax == 0:
-        return t.clone()
-    scale = amax / fmt.scaled_max
-    return float_round(t / scale, name) * scale
+    return decode(encode(t.detach().float(), Precision.parse(precision), rounding=rounding,
+                         seed=seed))
 
 
 def weighted_ops(model: nn.Module) -> dict[str, nn.Module]:
