@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("clusters", help="list the shipped clusters").set_defaults(run=_cmd_clusters)
 
     _add_simulate_parser(sub)
+    _add_plan_parser(sub)
 
     demo = sub.add_parser("demo", help="the main job on built-in defaults")
     demo.add_argument("--model", default="bert_base")
@@ -114,13 +115,66 @@ def _cmd_simulate(args) -> None:
         print(f"wrote the trace to {args.trace} (open it in ui.perfetto.dev)")
 
 
+def _add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="allocate a quantization-minimized plan for a zoo model")
+    plan.add_argument("--model", required=True, help="zoo model name (see `qsync-lab models`)")
+    plan.add_argument("--cluster", default="qsync-paper",
+                      help="a shipped cluster name or a path to a TOML file")
+    plan.add_argument("--memory-gb", action="append", default=[], metavar="KIND=GIB",
+                      help="per-rank memory budget of a device kind (repeatable)")
+    plan.add_argument("--throughput", type=float, help="least samples/s (default: the fastest "
+                      "kind at fp32 sets the pace)")
+    plan.add_argument("--calibration-batches", type=int, default=2,
+                      help="batches for the sensitivity indicator (default 2)")
+    plan.add_argument("--profile", action="append", default=[], metavar="CSV",
+                      help="measured profile table(s) overriding the roofline")
+    plan.add_argument("--out", required=True, help="write the plan JSON here")
+    plan.set_defaults(run=_cmd_plan)
+
+
+def _cmd_plan(args) -> None:
+    from qsync_lab.allocate import Constraints, allocate_detailed
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.costs import CostModel
+    from qsync_lab.indicator import indicator
+    from qsync_lab.models import example_batch, get_model, model_spec
+
+    memory = dict(_key_value(item, "--memory-gb", "KIND=GIB", "T4=12", float)
+                  for item in args.memory_gb)
+    if args.calibration_batches < 1:
+        raise QSyncError(f"--calibration-batches must be at least 1, got "
+                         f"{args.calibration_batches}")
+    graph, _ = _trace_zoo_model(args.model, 2)
+    model = get_model(args.model)
+    batches = [example_batch(args.model, 2, seed=s) for s in range(args.calibration_batches)]
+    scores = indicator(model, graph, batches, loss_fn=model_spec(args.model).loss_fn(),
+                       precisions=("fp16", "int8"), num_batches=args.calibration_batches)
+    cluster = load_cluster(args.cluster)
+    result = allocate_detailed(graph, cluster, CostModel.from_profiles(*args.profile), scores,
+                               Constraints(memory, args.throughput))
+    result.plan.save(args.out)
+    low = ", ".join(f"{kind}: {n}" for kind, n in result.plan.low_precision_ops().items())
+    print(f"{args.model} on {cluster.name}: iteration {result.iteration_us / 1e3:.1f} ms "
+          f"(target {result.target_us / 1e3:.1f}), low-precision ops {low or 'none'}, "
+          f"allocated in {result.seconds:.2f} s; wrote {args.out}")
+
+
+def _key_value(item: str, flag: str, form: str, example: str, convert=str):
+    """Parse ``KEY=VALUE`` of a repeatable flag, or raise a one-line error."""
+    key, sep, value = item.partition("=")
+    try:
+        if not sep or not key or not value:
+            raise ValueError
+        return key, convert(value)
+    except ValueError:
+        raise QSyncError(f"{flag} expects {form}, got {item!r}; e.g. {example}") from None
+
+
 def _uniform_plan(graph, items: list[str]) -> dict[str, dict[str, str]]:
     gemms = graph.ops.index[graph.ops["kind"].isin(["linear", "conv1d", "conv2d", "conv3d"])]
     plan: dict[str, dict[str, str]] = {}
     for item in items:
-        device, sep, precision = item.partition("=")
-        if not sep or not device or not precision:
-            raise QSyncError(f"--uniform expects DEVICE=PRECISION, got {item!r}; e.g. T4=fp16")
+        device, precision = _key_value(item, "--uniform", "DEVICE=PRECISION", "T4=fp16")
         plan.setdefault(device, {}).update(dict.fromkeys(gemms, precision))
     return plan
 

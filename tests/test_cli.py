@@ -81,3 +81,21 @@ def test_simulate_prints_the_iteration_and_writes_a_trace(capsys, tmp_path):
 def test_simulate_bad_plan_input(capsys, argv, message):
     code, _, err = run(capsys, "simulate", "--model", "digits_mlp", *argv)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_plan_writes_a_plan_that_loads_back(capsys, tmp_path):
+    from qsync_lab.plan import Plan
+
+    out = tmp_path / "plan.json"
+    code, text, _ = run(capsys, "plan", "--model", "digits_mlp", "--cluster", "v100-t4-small",
+                        "--calibration-batches", "1", "--out", str(out))
+    assert code == 0 and f"wrote {out}" in text
+    plan = Plan.load(out)
+    assert plan.cluster_name == "v100-t4-small"
+    assert len(plan.ranks) == 4
+
+
+def test_plan_bad_memory_budget_is_one_line(capsys):
+    code, _, err = run(capsys, "plan", "--model", "digits_mlp", "--memory-gb", "T4=lots",
+                       "--out", "x.json")
+    assert code == 2 and "--memory-gb expects KIND=GIB" in err

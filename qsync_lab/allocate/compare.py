@@ -1,0 +1,115 @@
+"""``compare_strategies``: one table of every strategy's throughput, risk and memory.
+
+Example::
+
+    >>> import pandas as pd
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.cluster import load_cluster
+    >>> from qsync_lab.costs import CostModel
+    >>> from qsync_lab.graph import trace_graph
+    >>> graph = trace_graph(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(),
+    ...                                   nn.Linear(4096, 1024)), torch.randn(4, 64, 1024))
+    >>> scores = pd.DataFrame({("fp16", "omega"): [1.0, 2.0], ("int8", "omega"): [4.0, 8.0]},
+    ...                       index=["0", "2"])
+    >>> table = compare_strategies(graph, load_cluster("v100-t4-small"), CostModel(), scores)
+    >>> table.index.tolist()
+    ['fp32', 'uniform-low', 'dynamic-batching', 'qsync', 'joint']
+    >>> bool(table.loc["qsync", "indicator_sum"] <= table.loc["uniform-low", "indicator_sum"])
+    True
+"""
+
+import time
+from collections.abc import Callable, Mapping
+
+import pandas as pd
+
+from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.allocate.baselines import (dynamic_batching, joint_batch_precision,
+                                          uniform_low_precision)
+from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.allocate.qsync import allocate, prepared_graph, target_iteration_us
+from qsync_lab.cluster import Cluster
+from qsync_lab.costs import CostModel
+from qsync_lab.devices import BYTES_PER_GIB
+from qsync_lab.graph import OpGraph
+from qsync_lab.plan import Plan
+from qsync_lab.precision import Precision
+from qsync_lab.simulate import PreparedGraph, simulate
+
+__all__ = ["STRATEGIES", "compare_strategies", "plan_risk", "plan_summary"]
+
+Strategy = Callable[..., Plan]
+
+
+def _all_fp32(graph, cluster, costs, indicator, constraints=None, *, optimizer="sgd") -> Plan:
+    return Plan.build(prepared_graph(graph).graph, cluster, {}, strategy="fp32")
+
+
+#: name -> allocator with :func:`~qsync_lab.allocate.allocate`'s interface
+STRATEGIES: Mapping[str, Strategy] = {
+    "fp32": _all_fp32,
+    "uniform-low": uniform_low_precision,
+    "dynamic-batching": dynamic_batching,
+    "qsync": allocate,
+    "joint": joint_batch_precision,
+}
+
+
+def plan_summary(plan: Plan, graph: "OpGraph | PreparedGraph", cluster: Cluster,
+                 costs: CostModel, indicator: pd.DataFrame | None, *,
+                 optimizer: str = "sgd") -> dict[str, object]:
+    """One row: predicted throughput and iteration time, low-precision ops, summed indicator,
+    peak memory and batch per rank per device kind (``kind`` in the column names)."""
+    prepared = prepared_graph(graph)
+    planned = plan.apply_to(cluster)
+    sim = simulate(prepared, plan.simulator_plan(), planned, costs, optimizer=optimizer)
+    row: dict[str, object] = {"throughput_samples_per_s": sim.throughput_samples_per_s,
+                              "iteration_ms": sim.iteration_us / 1e3}
+    for kind, count in plan.low_precision_ops().items():
+        row[f"low_precision_ops[{kind}]"] = count
+    row["indicator_sum"] = plan_risk(plan, indicator)
+    for kind in cluster.device_kinds:
+        ranks = [r.rank for r in planned.ranks if r.device == kind]
+        row[f"peak_memory_gib[{kind}]"] = float(sim.peak_memory_bytes.iloc[ranks].max()
+                                                / BYTES_PER_GIB)
+        batches = sorted({planned.ranks[r].batch_size for r in ranks})
+        row[f"batch[{kind}]"] = "/".join(str(b) for b in batches)
+    return row
+
+
+def plan_risk(plan: Plan, indicator: pd.DataFrame | None) -> float:
+    """Summed indicator of every planned op on every device kind (fp32: 0)."""
+    if indicator is None:
+        return 0.0
+    total = 0.0
+    for ops in plan.precisions.values():
+        for fqn, p in ops.items():
+            if p is not Precision.FP32:
+                total += float(indicator.at[fqn, (str(p), "omega")])
+    return total
+
+
+def compare_strategies(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
+                       indicator: pd.DataFrame, constraints: Constraints | None = None, *,
+                       strategies: Mapping[str, Strategy] | None = None,
+                       optimizer: str = "sgd") -> pd.DataFrame:
+    """Run each strategy and tabulate its plan (one row per strategy, indexed by name).
+
+    Columns: :func:`plan_summary`'s, plus ``meets_target`` (throughput at least the
+    constraint's) and ``allocation_s`` (the strategy's wall time).
+    """
+    prepared = prepared_graph(graph)
+    constraints = constraints or Constraints()
+    target_us = target_iteration_us(PlanEvaluator(prepared, cluster, costs, optimizer=optimizer),
+                                    constraints)
+    floor = cluster.global_batch_size * 1e6 / target_us
+    rows = {}
+    for name, strategy in (strategies or STRATEGIES).items():
+        start = time.perf_counter()
+        plan = strategy(prepared, cluster, costs, indicator, constraints, optimizer=optimizer)
+        seconds = time.perf_counter() - start
+        row = plan_summary(plan, prepared, cluster, costs, indicator, optimizer=optimizer)
+        row["meets_target"] = row["throughput_samples_per_s"] >= floor * (1 - 1e-9)
+        row["allocation_s"] = seconds
+        rows[name] = row
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("strategy")

@@ -1,0 +1,167 @@
+"""``allocate``: QSync's quantization-minimized plan under memory and throughput constraints.
+
+1. The pace: the least throughput allowed (default: the iteration time of the cluster if
+   every rank computed like the fastest device kind at full precision).
+2. The kinds that cannot keep up: those whose fp32 pace is slower than the target, or
+   whose fp32 plan does not fit their memory budget. Other kinds stay fp32.
+3. Each such kind starts from its fastest plan that fits memory
+   (:func:`~qsync_lab.allocate.fastest_feasible_plan`). If the cluster is still slower
+   than the target: with the default pace, the target becomes that plan's iteration time
+   (QSync's ``C0 = max(T_slow, T_fast_fp32)``: the slow kinds run as fast as they can and
+   recover only what costs no time); with an explicit throughput, no plan meets it and
+   the error says by how much.
+4. The greedy (:func:`~qsync_lab.allocate.greedy_recover`) recovers ops to higher
+   precision, largest indicator reduction per added microsecond first, accepting a move
+   only while the predicted iteration time meets the target and memory fits. Each trial
+   re-simulates only the changed kind (:class:`~qsync_lab.allocate.PlanEvaluator`).
+
+Example::
+
+    >>> import pandas as pd
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.cluster import load_cluster
+    >>> from qsync_lab.costs import CostModel
+    >>> from qsync_lab.graph import trace_graph
+    >>> model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    >>> graph = trace_graph(model, torch.randn(4, 64, 1024))
+    >>> scores = pd.DataFrame({("fp16", "omega"): [1.0, 2.0], ("int8", "omega"): [4.0, 8.0]},
+    ...                       index=["0", "2"])
+    >>> plan = allocate(graph, load_cluster("v100-t4-small"), CostModel(), scores)
+    >>> plan.strategy, plan.precisions["V100-SXM2-32GB"] == {}
+    ('qsync', True)
+"""
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from qsync_lab.allocate.chain import ChainCosts, chain_costs
+from qsync_lab.allocate.choices import OpChoices, op_choices
+from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.allocate.fastest import fastest_feasible_plan
+from qsync_lab.allocate.recover import TIME_RTOL, RecoveryStats, greedy_recover
+from qsync_lab.cluster import Cluster
+from qsync_lab.costs import CostModel
+from qsync_lab.errors import QSyncError
+from qsync_lab.graph import OpGraph
+from qsync_lab.plan import Plan
+from qsync_lab.precision import Precision
+from qsync_lab.simulate import PreparedGraph, prepare_graph
+
+__all__ = ["Allocation", "allocate", "allocate_detailed", "kinds_to_allocate",
+           "prepared_graph", "target_iteration_us"]
+
+_US_PER_S = 1e6
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A plan and how the allocator got there.
+
+    Attributes:
+        plan: the plan.
+        iteration_us: its predicted iteration time.
+        target_us: the largest iteration time the greedy allowed (the constraint's, or
+            the fastest feasible plan's when the default pace is out of reach).
+        seconds: wall time of the allocation (preparing the graph excluded).
+        stats: the greedy's trials, accepted moves and re-keyings.
+        risk: per allocated device kind, the plan's summed indicator.
+    """
+
+    plan: Plan
+    iteration_us: float
+    target_us: float
+    seconds: float
+    stats: RecoveryStats
+    risk: Mapping[str, float] = field(hash=False)
+
+
+def prepared_graph(graph: "OpGraph | PreparedGraph") -> PreparedGraph:
+    """``graph`` prepared for simulation (unchanged if it already is)."""
+    return graph if isinstance(graph, PreparedGraph) else prepare_graph(graph)
+
+
+def target_iteration_us(evaluator: PlanEvaluator, constraints: Constraints) -> float:
+    """The largest iteration time the throughput constraint allows on the evaluator's cluster."""
+    if constraints.throughput_samples_per_s is not None:
+        return evaluator.cluster.global_batch_size * _US_PER_S / constraints.throughput_samples_per_s
+    return min(evaluator.pace_us(kind) for kind in evaluator.cluster.device_kinds)
+
+
+def kinds_to_allocate(evaluator: PlanEvaluator, target_us: float,
+                      budgets_bytes: Mapping[str, float]) -> tuple[str, ...]:
+    """The kinds slower than the target at fp32, or over their memory budget at fp32."""
+    return tuple(kind for kind in evaluator.cluster.device_kinds
+                 if evaluator.pace_us(kind) > target_us * (1 + TIME_RTOL)
+                 or evaluator.memory_bytes(kind, {}) > budgets_bytes[kind])
+
+
+def allocate(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
+             indicator: pd.DataFrame, constraints: Constraints | None = None, *,
+             optimizer: str = "sgd") -> Plan:
+    """The quantization-minimized plan (see the module docstring).
+
+    Args:
+        graph: the model's graph, or :func:`~qsync_lab.simulate.prepare_graph`'s result.
+        cluster: the ranks with their batch sizes and the links.
+        costs: the cost model.
+        indicator: :func:`qsync_lab.indicator.indicator`'s DataFrame (the ops it scores
+            are the candidates).
+        constraints: memory budgets and the throughput floor (default: device memory,
+            the fastest kind's fp32 pace).
+        optimizer: as for :func:`~qsync_lab.simulate.simulate`.
+
+    Raises:
+        QSyncError: a memory budget below what any plan needs (stating the least), or an
+            explicit throughput no plan reaches, in one line.
+    """
+    return allocate_detailed(graph, cluster, costs, indicator, constraints,
+                             optimizer=optimizer).plan
+
+
+def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
+                      indicator: pd.DataFrame, constraints: Constraints | None = None, *,
+                      optimizer: str = "sgd", strategy: str = "qsync") -> Allocation:
+    """:func:`allocate` with the predicted iteration time, run time and greedy statistics."""
+    prepared = prepared_graph(graph)
+    constraints = constraints or Constraints()
+    start = time.perf_counter()
+    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer)
+    budgets = {kind: constraints.memory_budget_bytes(cluster, kind)
+               for kind in cluster.device_kinds}
+    target_us = target_iteration_us(evaluator, constraints)
+    choices: dict[str, OpChoices] = {}
+    chains: dict[str, ChainCosts] = {}
+    plans: dict[str, list[Precision]] = {}
+    for kind in kinds_to_allocate(evaluator, target_us, budgets):
+        device = evaluator.devices[kind]
+        choices[kind] = op_choices(prepared.work, indicator, device)
+        batch = max(b for name, b in evaluator.classes if name == kind)
+        chains[kind] = chain_costs(prepared.work, choices[kind].ops, device, costs,
+                                   batch_size=batch)
+        first = fastest_feasible_plan(evaluator, kind, choices[kind], chains[kind],
+                                      budget_bytes=budgets[kind])
+        evaluator.accept(evaluator.propose_plan(kind, first))
+        plans[kind] = [first[op] for op in choices[kind].ops]
+    if constraints.throughput_samples_per_s is None:
+        target_us = max(target_us, evaluator.iteration_us)
+    elif evaluator.iteration_us > target_us * (1 + TIME_RTOL):
+        raise QSyncError(
+            f"no plan reaches the throughput target: the fastest plan that fits memory "
+            f"gives {cluster.global_batch_size * _US_PER_S / evaluator.iteration_us:.1f} "
+            f"samples/s, the target is {cluster.global_batch_size * _US_PER_S / target_us:.1f}; "
+            "lower the throughput constraint or raise the memory budget")
+    stats = greedy_recover(evaluator, choices, plans,
+                           lambda kind, k, plan, p: chains[kind].move_us(k, plan, p),
+                           target_us=target_us, budgets_bytes=budgets)
+    seconds = time.perf_counter() - start
+    names = prepared.work.names
+    precisions = {kind: {names[op]: p for op, p in zip(choices[kind].ops, plans[kind])}
+                  for kind in choices}
+    plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy)
+    risk = {kind: choices[kind].risk(dict(zip(choices[kind].ops, plans[kind])))
+            for kind in choices}
+    return Allocation(plan, evaluator.iteration_us, target_us, seconds, stats, risk)

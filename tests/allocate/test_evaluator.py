@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+
+from qsync_lab.allocate import PlanEvaluator
+from qsync_lab.allocate.baselines import with_batch_sizes
+from qsync_lab.simulate import simulate
+
+
+def _random_plan(prepared, scores, rng):
+    choices = ["fp32", "fp16", "int8"]
+    return {"T4": {op: choices[rng.integers(3)] for op in scores.index}}
+
+
+@pytest.mark.parametrize("batches", [None, (40, 40, 24, 24), (40, 41, 24, 23)])
+def test_incremental_evaluation_equals_simulate(small_case, batches):
+    prepared, cluster, costs, scores = small_case
+    if batches is not None:
+        cluster = with_batch_sizes(cluster, batches)
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    rng = np.random.default_rng(0)
+    index = {name: i for i, name in enumerate(prepared.work.names)}
+    for _ in range(4):
+        plan = _random_plan(prepared, scores, rng)
+        proposal = evaluator.propose_plan("T4", {index[op]: p for op, p in plan["T4"].items()})
+        evaluator.accept(proposal)
+        sim = simulate(prepared, plan, cluster, costs)
+        assert evaluator.iteration_us == pytest.approx(sim.iteration_us, rel=1e-12)
+        t4 = [r.rank for r in cluster.ranks if r.device == "T4"]
+        assert proposal.peak_memory_bytes == pytest.approx(
+            float(sim.peak_memory_bytes.iloc[t4].max()), rel=1e-12)
+
+
+def test_rejected_proposal_leaves_no_trace(small_case):
+    prepared, cluster, costs, _ = small_case
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    before_us, before_plan = evaluator.iteration_us, dict(evaluator.plan("T4"))
+    before_memory = evaluator.peak_memory_bytes("T4")
+    proposal = evaluator.propose("T4", {0: "int8"})
+    assert proposal.iteration_us != before_us
+    assert evaluator.iteration_us == before_us
+    assert dict(evaluator.plan("T4")) == before_plan
+    assert evaluator.peak_memory_bytes("T4") == before_memory
+    assert evaluator.propose("T4", {}).iteration_us == before_us
+
+
+def test_pace_of_the_fast_kind_equals_the_all_fp32_iteration_when_it_is_the_slowest(small_case):
+    prepared, cluster, costs, _ = small_case
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    assert evaluator.pace_us("T4") == pytest.approx(evaluator.iteration_us)
+    assert evaluator.pace_us("V100-SXM2-32GB") < evaluator.iteration_us
