@@ -40,6 +40,7 @@ __all__ = ["RecoveryStats", "greedy_recover", "greedy_recover_instance"]
 TIME_RTOL = 1e-9
 
 MoveUs = Callable[[str, int, Sequence[Precision], Precision], float]
+ORDERS = ("ratio", "gain")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class RecoveryStats:
 
 def greedy_recover(evaluator, choices: Mapping[str, OpChoices],
                    plans: Mapping[str, list[Precision]], move_us: MoveUs, *,
-                   target_us: float, budgets_bytes: Mapping[str, float]) -> RecoveryStats:
+                   target_us: float, budgets_bytes: Mapping[str, float],
+                   order: str = "ratio") -> RecoveryStats:
     """Climb the ladders of ``choices`` in place (see the module docstring).
 
     Args:
@@ -64,9 +66,14 @@ def greedy_recover(evaluator, choices: Mapping[str, OpChoices],
             candidate ``k`` to ``precision``.
         target_us: the largest iteration time allowed.
         budgets_bytes: device kind -> per-rank memory budget.
+        order: ``"ratio"`` pops the largest indicator reduction per added µs first (QSync's
+            rule, fixed); ``"gain"`` the largest reduction first. Each can beat the other
+            (a knapsack greedy), so :func:`best_of_orders` runs both.
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     heap: list[tuple] = []
-    order = itertools.count()
+    counter = itertools.count()
     limit_us = target_us * (1 + TIME_RTOL)
 
     def move(kind: str, k: int) -> tuple | None:
@@ -80,8 +87,10 @@ def greedy_recover(evaluator, choices: Mapping[str, OpChoices],
         delta_us = move_us(kind, k, plans[kind], target)
         if gain <= 0 and delta_us >= 0:
             return None
-        key = math.inf if delta_us <= 0 else gain / delta_us
-        return (-key, -gain, next(order), kind, k, target)
+        ratio = math.inf if delta_us <= 0 else gain / delta_us
+        first, second = (ratio, gain) if order == "ratio" else (
+            (math.inf, ratio) if delta_us <= 0 else (gain, ratio))
+        return (-first, -second, next(counter), kind, k, target)
 
     for kind, c in choices.items():
         for k in range(len(c.ops)):
@@ -111,13 +120,20 @@ def greedy_recover(evaluator, choices: Mapping[str, OpChoices],
     return RecoveryStats(trials, accepted, rekeyed)
 
 
-def greedy_recover_instance(instance) -> tuple[dict[int, Precision], RecoveryStats]:
+def greedy_recover_instance(instance, order: str = "best") -> tuple[dict[int, Precision],
+                                                                      RecoveryStats]:
     """Run the greedy on an :class:`~qsync_lab.allocate.exact.AdditiveInstance` from its
-    fastest start; returns the plan (candidate position -> precision) and the stats."""
-    evaluator = instance.evaluator()
-    plans = {instance.KIND: list(instance.fastest_plan())}
-    stats = greedy_recover(evaluator, {instance.KIND: instance.choices}, plans,
-                           lambda _, k, plan, p: instance.move_us(k, plan[k], p),
-                           target_us=instance.target_us,
-                           budgets_bytes={instance.KIND: instance.budget_bytes})
-    return dict(enumerate(plans[instance.KIND])), stats
+    fastest start (``order``: "ratio", "gain", or "best" of both); returns the plan
+    (candidate position -> precision) and the stats."""
+    runs = []
+    for each in (ORDERS if order == "best" else (order,)):
+        evaluator = instance.evaluator()
+        plans = {instance.KIND: list(instance.fastest_plan())}
+        stats = greedy_recover(evaluator, {instance.KIND: instance.choices}, plans,
+                               lambda _, k, plan, p: instance.move_us(k, plan[k], p),
+                               target_us=instance.target_us,
+                               budgets_bytes={instance.KIND: instance.budget_bytes}, order=each)
+        plan = dict(enumerate(plans[instance.KIND]))
+        runs.append((instance.risk(plan), plan, stats))
+    _, plan, stats = min(runs, key=lambda run: run[0])
+    return plan, stats
