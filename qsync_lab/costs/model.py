@@ -7,7 +7,8 @@ Every answer carries its source, in this order of preference:
 2. ``fit:<file>`` — the roofline with efficiencies calibrated on that device's measured
    rows, or a cast line fitted to measured casts;
 3. ``roofline`` — the catalog's peaks and bandwidth with the initial efficiency table;
-4. ``alpha-beta:<link>`` — allreduces, from the catalog link (measured α–β fits are part 2).
+4. ``alpha-beta:<link>`` — allreduces, from the catalog link, or from the link's measured
+   α–β fit (``link_fits``, :func:`qsync_lab.profile.read_link_fits`) when the model has one.
 
 The model is a plain frozen object: build one, pass it to the simulator; nothing global.
 
@@ -67,12 +68,15 @@ class CostModel:
         default_roofline: the roofline for uncalibrated devices.
         profiles: measured tables, searched in order; the first match wins.
         cast_fits: (device, src, dst) -> :class:`CastFit`.
+        link_fits: link name -> measured :class:`LinkSpec` replacing the catalog's link of
+            that name in allreduces (its ``source`` names the fit).
     """
 
     rooflines: Mapping[str, Roofline] = field(default_factory=dict)
     default_roofline: Roofline = field(default_factory=default_roofline)
     profiles: tuple[ProfileTable, ...] = ()
     cast_fits: Mapping[tuple[str, Precision, Precision], CastFit] = field(default_factory=dict)
+    link_fits: Mapping[str, LinkSpec] = field(default_factory=dict)
 
     @classmethod
     def from_profiles(cls, *paths: "str | os.PathLike[str]", catalog: DeviceCatalog | None = None,
@@ -187,8 +191,11 @@ class CostModel:
         """
         if ranks == 1:
             return Cost(0.0, "single rank")
+        links = [self.link_fits.get(link.name, link) for link in links]
+        slowest = slowest_link(links)
+        fitted = any(link.name in self.link_fits for link in links)
         return Cost(ring_allreduce_us(nbytes, ranks, links),
-                    f"alpha-beta:{slowest_link(links).name}")
+                    f"alpha-beta:{slowest.name}" + (f" ({slowest.source})" if fitted else ""))
 
     def optimizer_time_us(self, param_bytes: float, optimizer: str, device: DeviceSpec) -> Cost:
         """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound:

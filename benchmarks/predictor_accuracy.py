@@ -1,0 +1,171 @@
+"""How well does the simulator, fed the locally measured profile, predict real DDP steps?
+
+For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per rank):
+
+1. profile this machine with 1 intra-op thread (each of the 2 DDP ranks has one core):
+   every op of the three models in fp32, bf16 and int8 (:func:`qsync_lab.profile.profile_ops`),
+   the runtime's casts (fitted per pair, R² printed) and gloo allreduces (α–β fitted);
+   all written to ``data/profiles/cpu.csv``;
+2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime.ddp_step`` per
+   case: median step time and peak tensor memory (profiler memory events);
+3. simulate the same case with :func:`qsync_lab.costs` from that profile;
+4. print measured beside predicted, the errors, and their medians against the targets
+   (step time ≤ 5 %, peak memory ≤ 10 %).
+
+Plans: ``fp32`` (nothing planned), ``bf16`` (every plannable op in bf16) and ``mixed``
+(the first half of the GEMM ops — linear, conv — in int8, the rest fp32).
+
+Run: ``.venv/bin/python benchmarks/predictor_accuracy.py [--steps 20] [--out FILE]``.
+"""
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numba
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from qsync_lab.cluster import load_cluster
+from qsync_lab.graph import trace_graph
+from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
+                               link_metadata, load_cost_model, profile_allreduce, profile_casts,
+                               profile_ops, run_metadata, write_device_profile)
+from qsync_lab.simulate import PLANNABLE_KINDS, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "digits_cnn": {},
+    "resnet18": {"num_classes": 10, "image_size": 32},
+    "bert_mini": {"seq_len": 32, "num_labels": 2, "vocab_size": 2000},
+}
+PRECISIONS = ("fp32", "bf16", "int8")
+CAST_PAIRS = (("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "int8"), ("int8", "fp16"),
+              ("fp32", "fp16"), ("fp16", "fp32"))
+GEMM_KINDS = ("linear", "conv2d")
+CLUSTER = "local-cpu"
+THREADS = 1
+STEP_TARGET_PCT, MEMORY_TARGET_PCT = 5.0, 10.0
+MIB = 2**20
+
+
+def plans(graph) -> dict[str, dict[str, str]]:
+    """fp32, uniform bf16 and mixed int8/fp32 plans for one model's graph."""
+    ops = graph.ops
+    plannable = [name for name, kind in ops["kind"].items() if kind in PLANNABLE_KINDS]
+    gemms = [name for name, kind in ops["kind"].items() if kind in GEMM_KINDS]
+    return {"fp32": {}, "bf16": {name: "bf16" for name in plannable},
+            "mixed": {name: "int8" for name in gemms[:len(gemms) // 2]}}
+
+
+def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
+    """Profile the three models, the casts and the allreduces; return report lines."""
+    torch.set_num_threads(THREADS)
+    numba.set_num_threads(THREADS)  # the int8 kernels run with the threads a rank will have
+    frames = []
+    for name, kwargs in tqdm(MODELS.items(), desc="profile models"):
+        inputs, target = example_batch(name, batch_size, **kwargs)
+        rows = profile_ops(get_model(name, **kwargs), inputs, target,
+                           model_spec(name).loss_fn(), PRECISIONS, repeats=repeats)
+        # one file for three models: FQNs ("conv1", "fc") collide across models, so the
+        # rows match by (kind, shapes) only, which is model-independent
+        frames.append(rows.assign(op=""))
+    casts = profile_casts(CAST_PAIRS, default_cast_sizes(), repeats=repeats)
+    cast_fits = fit_casts(casts)
+    allreduce = profile_allreduce(default_sizes(), repeats=repeats)
+    link_name = load_cluster(CLUSTER).intra_node_links[0].name
+    link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
+                          link=link_name, source=f"profile:{path.name}")
+    metadata = {**run_metadata("cpu", threads=THREADS),
+                **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
+                **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo")}
+    write_device_profile(path, [*frames, casts], metadata)
+    lines = [f"profile: {path.relative_to(ROOT)} ({sum(map(len, frames))} op rows, "
+             f"{THREADS} thread)", "cast fits (time_us = a*numel + b):"]
+    lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
+              f"R2={fit.r2:.4f}" for pair, fit in cast_fits.items()]
+    lines.append(f"allreduce fit ({link_name}, gloo, 2 ranks): alpha={link.link.latency_s * 1e6:.1f}"
+                 f" us  beta={link.link.bandwidth_Bps / 1e9:.3f} GB/s  R2={link.line.r2:.4f}")
+    return lines
+
+
+def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path) -> dict:
+    """One torchrun DDP run of a case; its result JSON."""
+    plan_path, out = folder / "plan.json", folder / "result.json"
+    plan_path.write_text(json.dumps({"cpu": plan}))
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "NUMBA_NUM_THREADS": str(THREADS)}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2", "-m", "qsync_lab.runtime.ddp_step", "--model", name,
+                    "--model-kwargs", json.dumps(kwargs), "--cluster", CLUSTER, "--plan",
+                    str(plan_path), "--steps", str(steps), "--threads", str(THREADS),
+                    "--out", str(out)], check=True, env=env, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", type=Path, default=ROOT / "data/profiles/cpu.csv")
+    parser.add_argument("--reuse-profile", action="store_true",
+                        help="use the existing profile instead of measuring it again")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    cluster = load_cluster(CLUSTER)
+    batch_size = cluster.ranks[0].batch_size
+    load = os.getloadavg()
+    report = [f"predictor accuracy on {CLUSTER} (2 ranks x {THREADS} thread, batch "
+              f"{batch_size}/rank), torch {torch.__version__}; 1/5/15-min load before: "
+              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
+    if not args.reuse_profile:
+        report += build_profile(args.profile, batch_size, args.repeats)
+    costs = load_cost_model(args.profile)
+    rows = []
+    cases = [(name, plan_name, plan) for name, kwargs in MODELS.items()
+             for plan_name, plan in plans(_graph(name, kwargs, batch_size)).items()]
+    with tempfile.TemporaryDirectory() as folder:
+        for name, plan_name, plan in tqdm(cases, desc="DDP runs"):
+            kwargs = MODELS[name]
+            measured = measure(name, kwargs, plan, args.steps, Path(folder))
+            sim = simulate(_graph(name, kwargs, batch_size), {"cpu": plan}, cluster, costs)
+            step_ms, mem_mib = sim.iteration_us / 1e3, float(sim.peak_memory_bytes.max()) / MIB
+            rows.append({"model": name, "plan": plan_name,
+                         "step_ms": measured["median_step_ms"], "pred_ms": step_ms,
+                         "step_err_%": 100 * (step_ms / measured["median_step_ms"] - 1),
+                         "peak_MiB": measured["peak_memory_mib"], "pred_MiB": mem_mib,
+                         "mem_err_%": 100 * (mem_mib / measured["peak_memory_mib"] - 1)})
+    table = pd.DataFrame(rows)
+    step_mae = statistics.median(table["step_err_%"].abs())
+    mem_mae = statistics.median(table["mem_err_%"].abs())
+    load = os.getloadavg()
+    report += ["", table.to_string(index=False, float_format=lambda v: f"{v:.2f}"), "",
+               f"median |error| step time: {step_mae:.2f} % (target <= {STEP_TARGET_PCT:g} %)"
+               f" {'MET' if step_mae <= STEP_TARGET_PCT else 'MISSED'}",
+               f"median |error| peak memory: {mem_mae:.2f} % (target <= {MEMORY_TARGET_PCT:g} %)"
+               f" {'MET' if mem_mae <= MEMORY_TARGET_PCT else 'MISSED'}",
+               f"1/5/15-min load after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+def _graph(name: str, kwargs: dict, batch_size: int):
+    inputs, target = example_batch(name, batch_size, **kwargs)
+    with redirect_stdout(io.StringIO()):
+        return trace_graph(get_model(name, **kwargs), inputs, target=target,
+                           loss_fn=model_spec(name).loss_fn())
+
+
+if __name__ == "__main__":
+    main()

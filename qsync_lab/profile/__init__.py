@@ -1,0 +1,33 @@
+"""Measure this machine: op times per precision and phase, casts, allreduces; write profiles.
+
+* :func:`profile_ops` times every op of a model in isolation (forward, input gradient,
+  weight gradient) in each precision, as the runtime runs it;
+* :func:`profile_casts` / :func:`fit_casts` time the runtime's precision conversions and
+  fit ``a·numel + b`` per pair with R²;
+* :func:`profile_allreduce` / :func:`fit_alpha_beta` time allreduces on the real backend
+  and fit the link's α–β;
+* :func:`write_device_profile` writes ``data/profiles/<device>.csv``;
+  :func:`load_cost_model` turns profiles into a :class:`~qsync_lab.costs.CostModel`.
+
+Example::
+
+    >>> from qsync_lab.profile import fit_line
+    >>> fit_line([0, 1], [2, 4]).slope
+    2.0
+"""
+
+from qsync_lab.profile.allreduce import (AlphaBetaFit, default_sizes, fit_alpha_beta,
+                                         profile_allreduce)
+from qsync_lab.profile.casts import default_cast_sizes, fit_casts, profile_casts
+from qsync_lab.profile.fit import LineFit, fit_line
+from qsync_lab.profile.ops import autograd_call_overhead_us, profile_ops
+from qsync_lab.profile.table import (link_metadata, load_cost_model, read_link_fits,
+                                     write_device_profile)
+from qsync_lab.profile.timing import median_time_us, run_metadata
+
+__all__ = [
+    "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "default_cast_sizes",
+    "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line", "link_metadata",
+    "load_cost_model", "median_time_us", "profile_allreduce", "profile_casts", "profile_ops",
+    "read_link_fits", "run_metadata", "write_device_profile",
+]

@@ -1,0 +1,91 @@
+"""Timing primitives of the profiler: median wall time of a callable, and the run's metadata.
+
+On the CPU a call is timed with ``time.perf_counter_ns`` around it; on CUDA with a pair of
+CUDA events recorded around it and synchronised once per repeat. Warm-up calls are run
+first and discarded; the result is the median of ``repeats`` timed calls.
+
+Example::
+
+    >>> median_time_us(lambda: sum(range(100)), repeats=5, warmup=1) > 0
+    True
+    >>> sorted(run_metadata("cpu", threads=1))[:3]
+    ['cuda_version', 'date', 'device']
+"""
+
+import datetime
+import importlib.metadata
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from qsync_lab.errors import QSyncError
+
+__all__ = ["median_time_us", "run_metadata"]
+
+_NS_PER_US = 1e3
+
+
+def median_time_us(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
+                   cuda: bool = False) -> float:
+    """Median duration of ``fn()`` in µs over ``repeats`` calls after ``warmup`` calls.
+
+    Args:
+        fn: the work to time (its result is discarded).
+        repeats: timed calls (at least 1).
+        warmup: untimed calls first.
+        cuda: time with CUDA events (the work runs on the current CUDA device).
+    """
+    if repeats < 1 or warmup < 0:
+        raise QSyncError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+    else:
+        for _ in range(repeats):
+            begin = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - begin) / _NS_PER_US)
+    return float(statistics.median(samples))
+
+
+def run_metadata(device: str, *, threads: int) -> dict[str, str]:
+    """The ``# key: value`` lines a profile carries: device, software versions, threads, date.
+
+    Args:
+        device: the catalog device name the profile is for.
+        threads: the intra-op threads the measurements ran with
+            (``torch.get_num_threads()`` during the profile).
+    """
+    import numba
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if cuda else (platform.processor()
+                                                                  or platform.machine()),
+        "torch_version": torch.__version__,
+        "cuda_version": str(torch.version.cuda) if cuda else "none",
+        "numba_version": numba.__version__,
+        "qsync_lab_version": _package_version("qsync-lab"),
+        "threads": str(threads),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
