@@ -18,10 +18,14 @@ Plans: ``fp32`` (nothing planned), ``bf16`` (every plannable op in bf16) and ``m
 Run: ``.venv/bin/python benchmarks/predictor_accuracy.py [--steps 20] [--out FILE]``.
 """
 
-import argparse
+import os
+
+# the int8 kernels profile with the one thread a rank will have (set before numba loads)
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,7 +33,6 @@ import tempfile
 from contextlib import redirect_stdout
 from pathlib import Path
 
-import numba
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -70,7 +73,6 @@ def plans(graph) -> dict[str, dict[str, str]]:
 def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
     """Profile the three models, the casts and the allreduces; return report lines."""
     torch.set_num_threads(THREADS)
-    numba.set_num_threads(THREADS)  # the int8 kernels run with the threads a rank will have
     frames = []
     for name, kwargs in tqdm(MODELS.items(), desc="profile models"):
         inputs, target = example_batch(name, batch_size, **kwargs)

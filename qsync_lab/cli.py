@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the zoo models").set_defaults(run=_cmd_models)
     sub.add_parser("clusters", help="list the shipped clusters").set_defaults(run=_cmd_clusters)
 
+    _add_profile_parser(sub)
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
 
@@ -62,6 +63,58 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--cluster", default="qsync-paper")
     demo.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _add_profile_parser(sub) -> None:
+    profile = sub.add_parser("profile", help="measure this machine: op times per precision, "
+                             "casts and gloo allreduces, written as a profile table")
+    profile.add_argument("--model", action="append", required=True,
+                         help="zoo model to profile (repeatable)")
+    profile.add_argument("--batch", type=int, default=16, help="per-rank batch size (16)")
+    profile.add_argument("--precisions", default="fp32,bf16,int8",
+                         help="comma-separated precisions (default fp32,bf16,int8)")
+    profile.add_argument("--threads", type=int, default=1,
+                         help="threads per op (= the cores one DDP rank will have; default 1)")
+    profile.add_argument("--repeats", type=int, default=10, help="timed repeats (median)")
+    profile.add_argument("--out", required=True, help="profile CSV to write")
+    profile.set_defaults(run=_cmd_profile)
+
+
+def _cmd_profile(args) -> None:
+    import numba
+    import torch
+
+    from qsync_lab.models import example_batch, get_model, model_spec
+    from qsync_lab.precision import Precision
+    from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
+                                   link_metadata, profile_allreduce, profile_casts, profile_ops,
+                                   run_metadata, write_device_profile)
+
+    if args.batch < 1 or args.threads < 1 or args.repeats < 1:
+        raise QSyncError("--batch, --threads and --repeats must be positive integers")
+    precisions = [str(Precision.parse(p)) for p in args.precisions.split(",")]
+    torch.set_num_threads(args.threads)
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    frames = []
+    for name in args.model:
+        inputs, target = example_batch(name, args.batch)
+        rows = profile_ops(get_model(name), inputs, target, model_spec(name).loss_fn(),
+                           precisions, repeats=args.repeats)
+        # several models share op names (conv1, fc): match their rows by kind and shape
+        frames.append(rows.assign(op="") if len(args.model) > 1 else rows)
+    pairs = ([("fp32", p) for p in precisions if p != "fp32"]
+             + [(p, "fp32") for p in precisions if p not in ("fp32", "int8")])
+    casts = profile_casts(pairs, default_cast_sizes(), repeats=args.repeats)
+    allreduce = profile_allreduce(default_sizes(), repeats=args.repeats)
+    link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
+                          link="loopback")
+    metadata = {**run_metadata("cpu", threads=args.threads),
+                **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
+                **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in fit_casts(casts).items()}}
+    write_device_profile(args.out, [*frames, casts], metadata)
+    print(f"wrote {args.out}: {sum(len(f) for f in frames)} op rows, {len(casts)} cast rows; "
+          f"allreduce alpha {link.link.latency_s * 1e6:.1f} us, beta "
+          f"{link.link.bandwidth_Bps / 1e9:.2f} GB/s (R2 {link.line.r2:.3f})")
 
 
 def _add_simulate_parser(sub) -> None:
@@ -87,7 +140,7 @@ def _add_simulate_parser(sub) -> None:
 
 def _cmd_simulate(args) -> None:
     from qsync_lab.cluster import load_cluster
-    from qsync_lab.costs import CostModel
+    from qsync_lab.profile import load_cost_model
     from qsync_lab.simulate import simulate
 
     graph, seconds = _trace_zoo_model(args.model, args.batch)
@@ -96,7 +149,7 @@ def _cmd_simulate(args) -> None:
     if args.plan:
         for device, ops in _read_plan_json(args.plan).items():
             plan.setdefault(device, {}).update(ops)
-    sim = simulate(graph, plan, cluster, CostModel.from_profiles(*args.profile),
+    sim = simulate(graph, plan, cluster, load_cost_model(*args.profile),
                    optimizer=args.optimizer)
     print(f"{args.model} on {cluster.name} ({cluster.world_size} ranks, traced in "
           f"{seconds:.1f} s)")
@@ -135,8 +188,8 @@ def _add_plan_parser(sub) -> None:
 def _cmd_plan(args) -> None:
     from qsync_lab.allocate import Constraints, allocate_detailed
     from qsync_lab.cluster import load_cluster
-    from qsync_lab.costs import CostModel
     from qsync_lab.indicator import indicator
+    from qsync_lab.profile import load_cost_model
     from qsync_lab.models import example_batch, get_model, model_spec
 
     memory = dict(_key_value(item, "--memory-gb", "KIND=GIB", "T4=12", float)
@@ -150,7 +203,7 @@ def _cmd_plan(args) -> None:
     scores = indicator(model, graph, batches, loss_fn=model_spec(args.model).loss_fn(),
                        precisions=("fp16", "int8"), num_batches=args.calibration_batches)
     cluster = load_cluster(args.cluster)
-    result = allocate_detailed(graph, cluster, CostModel.from_profiles(*args.profile), scores,
+    result = allocate_detailed(graph, cluster, load_cost_model(*args.profile), scores,
                                Constraints(memory, args.throughput))
     result.plan.save(args.out)
     low = ", ".join(f"{kind}: {n}" for kind, n in result.plan.low_precision_ops().items())

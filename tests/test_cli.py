@@ -99,3 +99,20 @@ def test_plan_bad_memory_budget_is_one_line(capsys):
     code, _, err = run(capsys, "plan", "--model", "digits_mlp", "--memory-gb", "T4=lots",
                        "--out", "x.json")
     assert code == 2 and "--memory-gb expects KIND=GIB" in err
+
+
+def test_profile_writes_a_table_the_cost_model_reads(capsys, tmp_path):
+    from qsync_lab.profile import load_cost_model, read_link_fits
+
+    out = tmp_path / "cpu.csv"
+    code, text, _ = run(capsys, "profile", "--model", "digits_mlp", "--batch", "4",
+                        "--precisions", "fp32,bf16", "--repeats", "2", "--out", str(out))
+    assert code == 0 and f"wrote {out}" in text
+    assert "loopback" in read_link_fits(out)
+    assert load_cost_model(out) is not None
+
+
+def test_profile_rejects_bad_numbers(capsys):
+    code, _, err = run(capsys, "profile", "--model", "digits_mlp", "--threads", "0",
+                       "--out", "x.csv")
+    assert code == 2 and "must be positive integers" in err

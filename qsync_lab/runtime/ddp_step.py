@@ -32,7 +32,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import numba
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -115,7 +114,9 @@ def main(argv=None) -> None:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # the int8 kernels' pool
+    # the int8 kernels' Numba pool: set before numba is first imported (the kernels import it
+    # lazily); numba.set_num_threads here makes the process abort at exit beside gloo
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
