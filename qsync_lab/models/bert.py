@@ -204,6 +204,7 @@ class BertClassifier(nn.Module):
 
     def __init__(
         self,
+        *,
         num_layers: int = 12,
         hidden: int = 768,
         heads: int = 12,
@@ -255,24 +256,8 @@ def _init_bert_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def bert_base(
-    *,
-    num_layers: int = 12,
-    hidden: int = 768,
-    heads: int = 12,
-    intermediate: int = 3072,
-    vocab_size: int = 30522,
-    max_positions: int = 512,
-    type_vocab_size: int = 2,
-    num_labels: int = 2,
-    dropout: float = 0.1,
-) -> BertClassifier:
-    """BERT-base for sequence classification; keyword arguments override the dims."""
-    return BertClassifier(
-        num_layers, hidden, heads, intermediate, vocab_size, max_positions, type_vocab_size, num_labels,
-        dropout,
-    )  # fmt: skip
-
+#: BERT-base for sequence classification; keyword arguments override the dims.
+bert_base = functools.partial(BertClassifier)
 
 #: BERT-mini (4 layers, hidden 256, 4 heads) for sequence classification; keyword
 #: arguments override the dims, as for :func:`bert_base`.
