@@ -9,7 +9,7 @@ from qsync_lab.graph import bucket_assignment, ddp_buckets, trace_graph
 
 from qsync_lab.models import example_batch, get_model
 
-from sample_models import TinyEncoder, cnn, mlp
+from tests.graph.sample_models import TinyEncoder, cnn, mlp
 
 
 def wide_mlp() -> nn.Module:  # 2.5 MB of parameters: crosses DDP's 1 MiB first bucket

@@ -5,7 +5,7 @@ import torch.nn as nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import TracingFallbackWarning, trace_graph
 
-from sample_models import TinyEncoder, DataDependent, Residual, cnn, mlp
+from tests.graph.sample_models import TinyEncoder, DataDependent, Residual, cnn, mlp
 
 
 def op(graph, name):

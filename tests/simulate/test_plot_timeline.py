@@ -1,7 +1,7 @@
 """``plot_timeline`` draws bars on a numeric µs axis and never shows the figure."""
 
 import pytest
-from conftest import FAST, SLOW
+from tests.simulate.conftest import FAST, SLOW
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.simulate import simulate

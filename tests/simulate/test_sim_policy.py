@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn as nn
-from conftest import FAST, SLOW
+from tests.simulate.conftest import FAST, SLOW
 
 from qsync_lab.costs import CostModel, op_work
 from qsync_lab.devices import load_catalog

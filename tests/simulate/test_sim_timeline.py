@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (ALLREDUCE_US, BATCH, BUCKET_CAP_MB, CAST_US, FAST, FAST_US, SLOW,
+from tests.simulate.conftest import (ALLREDUCE_US, BATCH, BUCKET_CAP_MB, CAST_US, FAST, FAST_US, SLOW,
                       SLOW_US, assert_no_overlap)
 
 from qsync_lab.costs import CostModel

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import FAST, SLOW, assert_no_overlap
+from tests.simulate.conftest import FAST, SLOW, assert_no_overlap
 
 from qsync_lab.simulate import simulate
 
