@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job on built-in defaults")
     demo.add_argument("--model", default="bert_base")
     demo.add_argument("--cluster", default="qsync-paper")
+    demo.add_argument("--out", default="qsync_demo",
+                      help="folder for the plan and the Perfetto trace (default ./qsync_demo)")
     demo.set_defaults(run=_cmd_demo)
     return parser
 
@@ -284,19 +286,44 @@ def _cmd_clusters(args) -> None:
 
 
 def _cmd_demo(args) -> None:
-    from qsync_lab.cluster import load_cluster
-    from qsync_lab.graph import ddp_buckets
+    from pathlib import Path
 
+    from qsync_lab.allocate import allocate_detailed, compare_strategies
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.costs import CostModel
+    from qsync_lab.graph import ddp_buckets
+    from qsync_lab.indicator import indicator
+    from qsync_lab.models import example_batch, get_model, model_spec
+    from qsync_lab.simulate import simulate
+
+    print("== 1. operator graph")
     graph, seconds = _trace_zoo_model(args.model, 2)
-    _print_graph(args.model, graph, seconds, rows=12)
-    buckets = ddp_buckets(graph).groupby("bucket").agg(params=("param", "size"),
-                                                       mb=("bytes", "sum"))
-    buckets["mb"] = buckets["mb"] / 2**20
-    print(f"\nDDP gradient buckets (steady state, default 25 MiB cap): {len(buckets)}")
-    print(buckets.round(2).to_string())
+    _print_graph(args.model, graph, seconds, rows=8)
+    buckets = ddp_buckets(graph).groupby("bucket")["bytes"].sum() / 2**20
+    print(f"DDP gradient buckets (steady state): {len(buckets)}, "
+          f"{', '.join(f'{mb:.1f}' for mb in buckets)} MiB")
     cluster = load_cluster(args.cluster)
-    print(f"\n{cluster}\n")
-    print(cluster.summary().to_string())
+    print(f"\n== 2. cluster\n{cluster}")
+    print("\n== 3. sensitivity indicator (2 calibration batches)")
+    model = get_model(args.model)
+    batches = [example_batch(args.model, 2, seed=s) for s in range(2)]
+    scores = indicator(model, graph, batches, loss_fn=model_spec(args.model).loss_fn(),
+                       precisions=("fp16", "int8"), num_batches=2)
+    top = scores[("int8", "omega")].sort_values(ascending=False).head(5)
+    print("most sensitive ops at int8: " + ", ".join(top.index))
+    print("\n== 4. plans (catalog roofline costs)")
+    costs = CostModel()
+    result = allocate_detailed(graph, cluster, costs, scores)
+    table = compare_strategies(graph, cluster, costs, scores)
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table.round(2).to_string())
+    out = Path(args.out)
+    result.plan.save(out / "plan.json")
+    sim = simulate(graph, result.plan.simulator_plan(), cluster, costs)
+    sim.to_perfetto(out / "trace.json")
+    print(f"\nQSync plan: iteration {result.iteration_us / 1e3:.1f} ms, allocated in "
+          f"{result.seconds:.2f} s; wrote {out / 'plan.json'} and {out / 'trace.json'} "
+          "(open the trace in ui.perfetto.dev)")
 
 
 def _trace_zoo_model(name: str, batch: int):

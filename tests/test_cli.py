@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -52,13 +53,22 @@ def test_bad_input_is_one_line_on_stderr_with_exit_code_2(capsys, argv, message)
     assert err.count("\n") == 1
 
 
-def test_console_script_entry_point_runs_the_demo():
-    result = subprocess.run([sys.executable, "-m", "qsync_lab", "demo", "--model", "bert_mini"],
-                            capture_output=True, text=True, timeout=120)
+def test_console_script_entry_point_runs_the_demo(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "qsync_lab", "demo", "--model", "bert_mini",
+                             "--out", str(tmp_path / "demo")],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "bert_mini: 123 operators" in result.stdout
     assert "DDP gradient buckets" in result.stdout
     assert "qsync-paper: 32 ranks" in result.stdout
+    assert "most sensitive ops at int8" in result.stdout
+    assert {"fp32", "uniform-low", "dynamic-batching", "qsync", "joint"} <= set(
+        line.split()[0] for line in result.stdout.splitlines() if line.strip())
+    from qsync_lab.plan import Plan
+
+    assert Plan.load(tmp_path / "demo" / "plan.json").cluster_name == "qsync-paper"
+    trace = json.loads((tmp_path / "demo" / "trace.json").read_text())
+    assert len({e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}) == 32
 
 
 def test_simulate_prints_the_iteration_and_writes_a_trace(capsys, tmp_path):
