@@ -1,7 +1,9 @@
-"""Exact optimum of small allocations, to measure the greedy's optimality gap.
+"""Exact optimum of small allocations, to measure the allocator's optimality gap.
 
-The exact problem is solved on an *additive* (linearized) instance, and the greedy is run
-on the same instance, so the gap compares the two searches and nothing else:
+The exact problem is solved on an *additive* (linearized) instance, and the allocator's
+recovery (:func:`~qsync_lab.allocate.recover_plans`) is run on the same instance, with the
+instance's own costs as its chain estimates (:meth:`AdditiveInstance.chain`), so the gap
+compares the two searches and nothing else:
 
 * time: the allocated kind's compute time (its backward end) is its fp32 value plus, per
   candidate, the change measured by the simulator with only that op moved off fp32. Casts
@@ -18,7 +20,7 @@ Example::
 
     >>> inst = AdditiveInstance.random(ops=8, seed=1)
     >>> gap = optimality_gap(inst)
-    >>> gap.exact_risk <= gap.greedy_risk + 1e-12
+    >>> gap.exact_risk <= gap.recovered_risk + 1e-12
     True
 """
 
@@ -29,9 +31,10 @@ from types import MappingProxyType
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from qsync_lab.allocate.chain import ChainCosts
 from qsync_lab.allocate.choices import OpChoices
 from qsync_lab.allocate.evaluator import PlanEvaluator
-from qsync_lab.allocate.recover import greedy_recover_instance
+from qsync_lab.allocate.recover import recover_instance
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
@@ -131,8 +134,20 @@ class AdditiveInstance:
                 low = middle
         return best
 
+    def chain(self) -> ChainCosts:
+        """The instance as a chain without casts: node cost = time change from fp32."""
+        precisions = self.choices.device.precision_list
+        node, memory = (np.full((len(self.delta_us), len(precisions)), np.inf) for _ in range(2))
+        for k, (times, sizes) in enumerate(zip(self.delta_us, self.delta_bytes)):
+            for p in times:
+                node[k, precisions.index(p)] = times[p]
+                memory[k, precisions.index(p)] = sizes[p]
+        no_cast = np.zeros(len(self.delta_us))
+        return ChainCosts(tuple(range(len(self.delta_us))), precisions, node, memory, no_cast,
+                          {(a, b): no_cast for a in Precision for b in Precision})
+
     def evaluator(self) -> "_AdditiveEvaluator":
-        """An evaluator of this instance for :func:`~qsync_lab.allocate.greedy_recover`."""
+        """An evaluator of this instance for :func:`~qsync_lab.allocate.recover_plans`."""
         return _AdditiveEvaluator(self)
 
 
@@ -185,32 +200,32 @@ def exact_plan(instance: AdditiveInstance) -> dict[int, Precision]:
 
 @dataclass(frozen=True)
 class OptimalityGap:
-    """Summed indicator of the greedy and of the exact optimum on one instance.
+    """Summed indicator of the recovered plan and of the exact optimum on one instance.
 
     Attributes:
-        greedy_risk, exact_risk: summed indicator of each plan.
-        gap: ``greedy_risk / exact_risk - 1`` (0 when both are 0).
-        greedy_us, exact_us: each plan's time.
+        recovered_risk, exact_risk: summed indicator of each plan.
+        gap: ``recovered_risk / exact_risk - 1`` (0 when both are 0).
+        recovered_us, exact_us: each plan's time.
     """
 
-    greedy_risk: float
+    recovered_risk: float
     exact_risk: float
-    greedy_us: float
+    recovered_us: float
     exact_us: float
 
     @property
     def gap(self) -> float:
         if self.exact_risk <= 0:
-            return 0.0 if self.greedy_risk <= 0 else float("inf")
-        return self.greedy_risk / self.exact_risk - 1.0
+            return 0.0 if self.recovered_risk <= 0 else float("inf")
+        return self.recovered_risk / self.exact_risk - 1.0
 
 
 def optimality_gap(instance: AdditiveInstance) -> OptimalityGap:
-    """Solve ``instance`` with the greedy and exactly and compare their summed indicator."""
-    greedy, _ = greedy_recover_instance(instance)
+    """Solve ``instance`` with the recovery and exactly and compare their summed indicator."""
+    recovered, _ = recover_instance(instance)
     exact = exact_plan(instance)
-    return OptimalityGap(instance.risk(greedy), instance.risk(exact), instance.time_us(greedy),
-                         instance.time_us(exact))
+    return OptimalityGap(instance.risk(recovered), instance.risk(exact),
+                         instance.time_us(recovered), instance.time_us(exact))
 
 
 def linearized_instance(evaluator: PlanEvaluator, kind: str, choices: OpChoices, *,

@@ -122,3 +122,18 @@ def test_heap_pops_the_largest_reduction_per_microsecond_first():
                    target_us=30.0, budgets_bytes={"T4": 1.0})
     assert toy.tried[0] == 1
     assert plans["T4"] == [fp16, fp32]
+
+
+def test_two_kinds_allocated_together_stay_within_their_limits(small_case):
+    prepared, cluster, costs, scores = small_case
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    budgets = {kind: 0.97 * evaluator.memory_bytes(kind, {}) / GIB for kind in cluster.device_kinds}
+    result = allocate_detailed(prepared, cluster, costs, scores,
+                               Constraints(memory_gib=budgets))
+    sim = simulate(prepared, result.plan.simulator_plan(), cluster, costs)
+    assert sim.iteration_us <= result.target_us * (1 + 1e-9)
+    assert sim.iteration_us == pytest.approx(result.iteration_us)
+    for kind, budget in budgets.items():
+        ranks = [r.rank for r in cluster.ranks if r.device == kind]
+        assert sim.peak_memory_bytes.iloc[ranks].max() <= budget * GIB
+        assert result.plan.low_precision_ops()[kind] > 0
