@@ -6,10 +6,11 @@ For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per
    every op of the three models in fp32, bf16 and int8 (:func:`qsync_lab.profile.profile_ops`),
    the runtime's casts (fitted per pair, R² printed) and gloo allreduces (α–β fitted);
    all written to ``data/profiles/cpu.csv``;
-2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime.ddp_step`` per
-   case: median step time and peak tensor memory (profiler memory events);
-3. simulate the same case with :func:`qsync_lab.costs` from that profile;
-4. print measured beside predicted, the errors, and their medians against the targets
+2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime`` per case (SGD with
+   momentum on the synthetic task): median step time and peak tensor memory (profiler
+   memory events), and the simulator's prediction of the same case from that profile
+   (the run's ``summary.json``);
+3. print measured beside predicted, the errors, and their medians against the targets
    (step time ≤ 5 %, peak memory ≤ 10 %).
 
 Plans: ``fp32`` (nothing planned), ``bf16`` (every plannable op in bf16) and ``mixed``
@@ -28,7 +29,6 @@ import io
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -40,10 +40,12 @@ from tqdm.auto import tqdm
 from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.plan import Plan
 from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                               link_metadata, load_cost_model, profile_allreduce, profile_casts,
-                               profile_ops, run_metadata, write_device_profile)
-from qsync_lab.simulate import PLANNABLE_KINDS, simulate
+                               link_metadata, profile_allreduce, profile_casts, profile_ops,
+                               run_metadata, write_device_profile)
+from qsync_lab.runtime.launch import torchrun_command
+from qsync_lab.simulate import PLANNABLE_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -100,18 +102,21 @@ def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
     return lines
 
 
-def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path) -> dict:
-    """One torchrun DDP run of a case; its result JSON."""
-    plan_path, out = folder / "plan.json", folder / "result.json"
-    plan_path.write_text(json.dumps({"cpu": plan}))
+def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path,
+            profile: Path) -> dict:
+    """One torchrun DDP run of a case (``python -m qsync_lab.runtime``); its summary, which
+    holds the measurement and the simulator's prediction from ``profile``."""
+    cluster = load_cluster(CLUSTER)
+    graph = _graph(name, kwargs, cluster.ranks[0].batch_size)
+    plan_path, run_dir = folder / "plan.json", folder / "run"
+    Plan.build(graph, cluster, {"cpu": plan}, strategy="benchmark").for_model(
+        name, kwargs).save(plan_path)
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "NUMBA_NUM_THREADS": str(THREADS)}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node=2", "-m", "qsync_lab.runtime.ddp_step", "--model", name,
-                    "--model-kwargs", json.dumps(kwargs), "--cluster", CLUSTER, "--plan",
-                    str(plan_path), "--steps", str(steps), "--threads", str(THREADS),
-                    "--out", str(out)], check=True, env=env, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return json.loads(out.read_text())
+    subprocess.run(torchrun_command(str(plan_path), 2, runtime_args=[
+        "--data", "synthetic", "--steps", str(steps), "--checkpoint-every", "0",
+        "--threads", str(THREADS), "--profile", str(profile), "--run-dir", str(run_dir)]),
+        check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def main() -> None:
@@ -131,21 +136,18 @@ def main() -> None:
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
     if not args.reuse_profile:
         report += build_profile(args.profile, batch_size, args.repeats)
-    costs = load_cost_model(args.profile)
     rows = []
     cases = [(name, plan_name, plan) for name, kwargs in MODELS.items()
              for plan_name, plan in plans(_graph(name, kwargs, batch_size)).items()]
     with tempfile.TemporaryDirectory() as folder:
         for name, plan_name, plan in tqdm(cases, desc="DDP runs"):
-            kwargs = MODELS[name]
-            measured = measure(name, kwargs, plan, args.steps, Path(folder))
-            sim = simulate(_graph(name, kwargs, batch_size), {"cpu": plan}, cluster, costs)
-            step_ms, mem_mib = sim.iteration_us / 1e3, float(sim.peak_memory_bytes.max()) / MIB
+            run = measure(name, MODELS[name], plan, args.steps, Path(folder), args.profile)
             rows.append({"model": name, "plan": plan_name,
-                         "step_ms": measured["median_step_ms"], "pred_ms": step_ms,
-                         "step_err_%": 100 * (step_ms / measured["median_step_ms"] - 1),
-                         "peak_MiB": measured["peak_memory_mib"], "pred_MiB": mem_mib,
-                         "mem_err_%": 100 * (mem_mib / measured["peak_memory_mib"] - 1)})
+                         "step_ms": run["measured_step_ms"], "pred_ms": run["predicted_step_ms"],
+                         "step_err_%": run["step_error_pct"],
+                         "peak_MiB": run["measured_peak_memory_mib"],
+                         "pred_MiB": run["predicted_peak_memory_mib"],
+                         "mem_err_%": run["memory_error_pct"]})
     table = pd.DataFrame(rows)
     step_mae = statistics.median(table["step_err_%"].abs())
     mem_mae = statistics.median(table["mem_err_%"].abs())

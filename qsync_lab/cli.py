@@ -21,7 +21,10 @@ _OP_COLUMNS = ["kind", "output_shapes", "fwd_gflops", "bwd_gflops", "saved_mb", 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 2 bad input)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.runtime_args = extra
     if args.command is None:
         parser.print_help()
         return 0
@@ -58,11 +61,23 @@ def _parser() -> argparse.ArgumentParser:
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
 
+    run = sub.add_parser("run", help="train a plan on DDP ranks with torchrun; other options "
+                         "go to `python -m qsync_lab.runtime` (--steps, --run-dir, --resume, ...)")
+    run.add_argument("--plan", required=True, help="plan JSON (qsync-lab plan --out)")
+    run.add_argument("--nproc-per-node", type=int,
+                     help="ranks on this node (default: the plan's world size / --nnodes)")
+    run.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    run.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes)")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restarts after a worker fails (use with --resume)")
+    run.set_defaults(run=_cmd_run)
+
     demo = sub.add_parser("demo", help="the main job on built-in defaults")
     demo.add_argument("--model", default="bert_base")
     demo.add_argument("--cluster", default="qsync-paper")
     demo.add_argument("--out", default="qsync_demo",
-                      help="folder for the plan and the Perfetto trace (default ./qsync_demo)")
+                      help="folder for plans, traces, the profile and the run (default ./qsync_demo)")
+    demo.add_argument("--steps", type=int, default=30, help="training steps of the local run")
     demo.set_defaults(run=_cmd_demo)
     return parser
 
@@ -207,7 +222,7 @@ def _cmd_plan(args) -> None:
     cluster = load_cluster(args.cluster)
     result = allocate_detailed(graph, cluster, load_cost_model(*args.profile), scores,
                                Constraints(memory, args.throughput))
-    result.plan.save(args.out)
+    result.plan.for_model(args.model).save(args.out)
     low = ", ".join(f"{kind}: {n}" for kind, n in result.plan.low_precision_ops().items())
     print(f"{args.model} on {cluster.name}: iteration {result.iteration_us / 1e3:.1f} ms "
           f"(target {result.target_us / 1e3:.1f}), low-precision ops {low or 'none'}, "
@@ -285,45 +300,29 @@ def _cmd_clusters(args) -> None:
         print(f"{name:14s} {cluster.world_size:3d} ranks  {', '.join(cluster.device_kinds)}")
 
 
+def _cmd_run(args) -> None:
+    import subprocess
+
+    from qsync_lab.plan import Plan
+    from qsync_lab.runtime.launch import torchrun_command
+
+    plan = Plan.load(args.plan)
+    nproc = args.nproc_per_node or max(1, plan.world_size // args.nnodes)
+    command = torchrun_command(args.plan, nproc, nnodes=args.nnodes,
+                               rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                               runtime_args=args.runtime_args)
+    print(" ".join(command), flush=True)
+    returncode = subprocess.run(command, check=False).returncode
+    if returncode:
+        raise QSyncError(f"torchrun exited with status {returncode}; see the ranks' errors above")
+
+
 def _cmd_demo(args) -> None:
-    from pathlib import Path
+    from qsync_lab.demo import run_demo
 
-    from qsync_lab.allocate import allocate_detailed, compare_strategies
-    from qsync_lab.cluster import load_cluster
-    from qsync_lab.costs import CostModel
-    from qsync_lab.graph import ddp_buckets
-    from qsync_lab.indicator import indicator
-    from qsync_lab.models import example_batch, get_model, model_spec
-    from qsync_lab.simulate import simulate
-
-    print("== 1. operator graph")
-    graph, seconds = _trace_zoo_model(args.model, 2)
-    _print_graph(args.model, graph, seconds, rows=8)
-    buckets = ddp_buckets(graph).groupby("bucket")["bytes"].sum() / 2**20
-    print(f"DDP gradient buckets (steady state): {len(buckets)}, "
-          f"{', '.join(f'{mb:.1f}' for mb in buckets)} MiB")
-    cluster = load_cluster(args.cluster)
-    print(f"\n== 2. cluster\n{cluster}")
-    print("\n== 3. sensitivity indicator (2 calibration batches)")
-    model = get_model(args.model)
-    batches = [example_batch(args.model, 2, seed=s) for s in range(2)]
-    scores = indicator(model, graph, batches, loss_fn=model_spec(args.model).loss_fn(),
-                       precisions=("fp16", "int8"), num_batches=2)
-    top = scores[("int8", "omega")].sort_values(ascending=False).head(5)
-    print("most sensitive ops at int8: " + ", ".join(top.index))
-    print("\n== 4. plans (catalog roofline costs)")
-    costs = CostModel()
-    result = allocate_detailed(graph, cluster, costs, scores)
-    table = compare_strategies(graph, cluster, costs, scores)
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.round(2).to_string())
-    out = Path(args.out)
-    result.plan.save(out / "plan.json")
-    sim = simulate(graph, result.plan.simulator_plan(), cluster, costs)
-    sim.to_perfetto(out / "trace.json")
-    print(f"\nQSync plan: iteration {result.iteration_us / 1e3:.1f} ms, allocated in "
-          f"{result.seconds:.2f} s; wrote {out / 'plan.json'} and {out / 'trace.json'} "
-          "(open the trace in ui.perfetto.dev)")
+    if args.steps < 1:
+        raise QSyncError(f"--steps must be a positive integer, got {args.steps}")
+    run_demo(args.out, model=args.model, cluster=args.cluster, steps=args.steps)
 
 
 def _trace_zoo_model(name: str, batch: int):

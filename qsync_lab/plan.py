@@ -69,6 +69,8 @@ class Plan:
         gradient_compression: parameter FQN -> compression settings (issue #9; empty
             means plain fp32 allreduce).
         strategy: which allocator made the plan.
+        model_name: the zoo model planned for, if any (the runtime builds it from this).
+        model_kwargs: the zoo model's keyword arguments.
         schema_version: the JSON schema version (``_version``).
     """
 
@@ -80,17 +82,20 @@ class Plan:
     gradient_compression: Mapping[str, Mapping[str, Any]] = field(default_factory=dict,
                                                                    hash=False)
     strategy: str = ""
+    model_name: str = ""
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
     schema_version: int = SCHEMA_VERSION
 
     @classmethod
     def build(cls, graph: OpGraph, cluster: Cluster,
               precisions: Mapping[str, Mapping[str, "Precision | str"]], *,
-              strategy: str = "", gradient_compression: Mapping[str, Mapping[str, Any]] = None
-              ) -> "Plan":
+              strategy: str = "", gradient_compression: Mapping[str, Mapping[str, Any]] = None,
+              model_name: str = "", model_kwargs: Mapping[str, Any] | None = None) -> "Plan":
         """A plan for ``graph`` on ``cluster`` (its batch sizes), checked against both.
 
         ``precisions`` may name device kinds by any catalog alias; every cluster kind
-        gets an entry (empty: all fp32).
+        gets an entry (empty: all fp32). ``model_name``/``model_kwargs`` name the zoo model
+        so that ``python -m qsync_lab.runtime --plan`` can build it without ``--model``.
         """
         names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
         plan = cls(
@@ -102,9 +107,15 @@ class Plan:
                                        names.get(kind, {}).items()}
                                 for kind in cluster.device_kinds}),
             gradient_compression=_frozen(gradient_compression or {}),
-            strategy=strategy)
+            strategy=strategy, model_name=model_name,
+            model_kwargs=MappingProxyType(dict(model_kwargs or {})))
         plan.validate(graph, cluster)
         return plan
+
+    def for_model(self, name: str, kwargs: Mapping[str, Any] | None = None) -> "Plan":
+        """This plan, recording that it is for the zoo model ``name(**kwargs)``."""
+        return dataclasses.replace(self, model_name=name,
+                                   model_kwargs=MappingProxyType(dict(kwargs or {})))
 
     @property
     def world_size(self) -> int:
@@ -181,6 +192,7 @@ class Plan:
             "precisions": self.simulator_plan(),
             "gradient_compression": {k: dict(v) for k, v in self.gradient_compression.items()},
             "strategy": self.strategy,
+            "model": {"name": self.model_name, "kwargs": dict(self.model_kwargs)},
         }}
 
     def to_json(self) -> str:
@@ -211,9 +223,11 @@ class Plan:
                           for kind, ops in data["precisions"].items()}
             compression = {str(k): dict(v) for k, v in data["gradient_compression"].items()}
             cluster = data["cluster"]
+            model = data.get("model", {"name": "", "kwargs": {}})  # optional: older plans
             return cls(str(data["model_fingerprint"]), str(cluster["name"]),
                        str(cluster["source"]), ranks, _frozen(precisions), _frozen(compression),
-                       str(data["strategy"]), version)
+                       str(data["strategy"]), str(model["name"]),
+                       MappingProxyType(dict(model["kwargs"])), version)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             if isinstance(err, QSyncError):
                 raise QSyncError(f"{origin}: {err}") from None

@@ -54,21 +54,53 @@ def test_bad_input_is_one_line_on_stderr_with_exit_code_2(capsys, argv, message)
 
 
 def test_console_script_entry_point_runs_the_demo(tmp_path):
+    out = tmp_path / "demo"
     result = subprocess.run([sys.executable, "-m", "qsync_lab", "demo", "--model", "bert_mini",
-                             "--out", str(tmp_path / "demo")],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "bert_mini: 123 operators" in result.stdout
-    assert "DDP gradient buckets" in result.stdout
-    assert "qsync-paper: 32 ranks" in result.stdout
-    assert "most sensitive ops at int8" in result.stdout
+                             "--steps", "6", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    assert "123 operators" in text and "DDP gradient buckets" in text
+    assert "qsync-paper: 32 ranks" in text and "most sensitive ops at int8" in text
     assert {"fp32", "uniform-low", "dynamic-batching", "qsync", "joint"} <= set(
-        line.split()[0] for line in result.stdout.splitlines() if line.strip())
+        line.split()[0] for line in text.splitlines() if line.strip())
+    assert all(f"== {n}." in text for n in range(1, 10))
     from qsync_lab.plan import Plan
 
-    assert Plan.load(tmp_path / "demo" / "plan.json").cluster_name == "qsync-paper"
-    trace = json.loads((tmp_path / "demo" / "trace.json").read_text())
-    assert len({e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}) == 32
+    assert Plan.load(out / "paper_plan.json").cluster_name == "qsync-paper"
+    paper_trace = json.loads((out / "paper_trace.json").read_text())
+    assert len({e["pid"] for e in paper_trace["traceEvents"] if e["ph"] == "X"}) == 32
+    plan = Plan.load(out / "plan.json")
+    assert (plan.cluster_name, plan.model_name) == ("local-hybrid", "bert_mini")
+    trace = json.loads((out / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    assert f"measured {summary['measured_step_ms']:.2f} ms" in text
+    assert f"predicted {summary['predicted_step_ms']:.2f} ms" in text
+
+
+def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
+    from tests.train.conftest import write_plan
+
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
+                      task="synthetic")
+    code, out, _ = run(capsys, "run", "--plan", str(plan), "--steps", "3", "--data", "synthetic",
+                       "--run-dir", str(tmp_path / "run"), "--threads", "1")
+    assert code == 0 and "torch.distributed.run --standalone --nproc-per-node=2" in out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_run_without_a_readable_plan_is_one_line(capsys):
+    code, _, err = run(capsys, "run", "--plan", "missing.json")
+    assert code == 2 and "cannot read plan missing.json" in err and err.count("\n") == 1
+
+
+def test_runtime_options_are_only_for_run(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["graph", "--model", "digits_mlp", "--steps", "3"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --steps 3" in capsys.readouterr().err
 
 
 def test_simulate_prints_the_iteration_and_writes_a_trace(capsys, tmp_path):
@@ -101,7 +133,7 @@ def test_plan_writes_a_plan_that_loads_back(capsys, tmp_path):
                         "--calibration-batches", "1", "--out", str(out))
     assert code == 0 and f"wrote {out}" in text
     plan = Plan.load(out)
-    assert plan.cluster_name == "v100-t4-small"
+    assert (plan.cluster_name, plan.model_name) == ("v100-t4-small", "digits_mlp")
     assert len(plan.ranks) == 4
 
 

@@ -25,6 +25,7 @@ Example::
     (8.28, 'roofline')
 """
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,28 @@ class CostModel:
             cast_fits.update(fit_cast_costs(table.frame, source=table.source))
         return cls(MappingProxyType(rooflines), profiles=tables,
                    cast_fits=MappingProxyType(cast_fits))
+
+    def emulating(self, alias: str, device: str) -> "CostModel":
+        """This model with device ``alias`` costed exactly as ``device`` (measured rows,
+        calibrated roofline, cast fits): the costs of ``alias`` emulated on ``device``.
+
+        Example::
+
+            >>> from qsync_lab.resources import data_file
+            >>> measured = CostModel.from_profiles(data_file("profiles", "cpu.csv"))
+            >>> t4 = load_catalog().device("T4")
+            >>> measured.roofline_for(t4).source, measured.emulating("T4", "cpu").roofline_for(t4).source
+            ('roofline', 'fit:profile:cpu.csv')
+        """
+        rooflines = dict(self.rooflines)
+        if device in rooflines:
+            rooflines[alias] = rooflines[device]
+        cast_fits = dict(self.cast_fits)
+        cast_fits.update({(alias, src, dst): fit for (name, src, dst), fit in
+                          self.cast_fits.items() if name == device})
+        return dataclasses.replace(
+            self, rooflines=MappingProxyType(rooflines), cast_fits=MappingProxyType(cast_fits),
+            profiles=tuple(table.aliased(alias, device) for table in self.profiles))
 
     def roofline_for(self, device: DeviceSpec) -> Roofline:
         """The calibrated roofline of ``device``, else the default one."""

@@ -105,6 +105,12 @@ class ProfileTable:
             found = self.by_shape.get((device, kind, shape_key, precision, phase))
         return found
 
+    def aliased(self, alias: str, device: str) -> "ProfileTable":
+        """This table plus a copy of ``device``'s rows under the device name ``alias``."""
+        rows = self.frame[self.frame["device"] == device].assign(device=alias)
+        return ProfileTable.from_frame(pd.concat([self.frame, rows], ignore_index=True),
+                                       self.source, self.metadata)
+
     def casts(self) -> pd.DataFrame:
         """The cast rows, with ``src`` and ``dst`` columns split from ``precision``."""
         rows = self.frame[self.frame["phase"] == "cast"].copy()

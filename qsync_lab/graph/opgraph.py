@@ -98,11 +98,14 @@ class OpGraph:
         return out.sort_values("fwd_gflops", ascending=False)
 
     def fingerprint(self) -> str:
-        """Hash of op FQNs, kinds and shapes: plans record it to detect another model."""
+        """Hash of op FQNs, kinds and weight shapes: plans record it to detect another model.
+
+        Activation shapes are left out on purpose: the same model traced at another batch
+        size (every rank of an uneven plan has its own) has the same fingerprint.
+        """
         h = hashlib.sha256()
         for name, row in self.ops.iterrows():
-            h.update(f"{name}|{row['kind']}|{row['input_shapes']}|{row['weight_shapes']}\n"
-                     .encode())
+            h.update(f"{name}|{row['kind']}|{row['weight_shapes']}\n".encode())
         return h.hexdigest()[:16]
 
 

@@ -11,6 +11,12 @@ precision, in place, keeping parameters and state_dict keys:
 * On CUDA the native kernels run (``torch._int_mm``, ``torch._scaled_mm``, fp16/bf16 GEMMs);
   on the CPU an exact fp32 emulation of the same numerics (``gemm.py``).
 
+Training a plan on DDP ranks: ``torchrun … -m qsync_lab.runtime --plan plan.json`` (or
+``qsync-lab run --plan plan.json``) calls :func:`train` on every rank — uneven per-rank
+batches weighted to the global-batch gradient, ``metrics.jsonl``, atomic checkpoints and
+exact resume, and a summary of measured against predicted step time
+(:mod:`qsync_lab.runtime.trainer`). Your own model and data: a :class:`Task`.
+
 Example::
 
     >>> import torch
@@ -31,6 +37,8 @@ from qsync_lab.runtime.apply import apply_plan_, describe_precisions
 from qsync_lab.runtime.config import OpPrecision
 from qsync_lab.runtime.modules import PrecisionBoundary, QConv2d, QEmbedding, QLinear, QMatMul
 from qsync_lab.runtime.registry import OpHandler, addressable_kinds, register_op_handler
+from qsync_lab.runtime.tasks import Task, load_task
+from qsync_lab.runtime.trainer import TrainConfig, train
 
 __all__ = [
     "OpHandler",
@@ -40,8 +48,12 @@ __all__ = [
     "QEmbedding",
     "QLinear",
     "QMatMul",
+    "Task",
+    "TrainConfig",
     "addressable_kinds",
     "apply_plan_",
     "describe_precisions",
+    "load_task",
     "register_op_handler",
+    "train",
 ]

@@ -174,6 +174,8 @@ def test_fingerprint_tells_models_apart():
     assert trace_graph(mlp(), x).fingerprint() == trace_graph(mlp(), x).fingerprint()
     other = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     assert trace_graph(other, x).fingerprint() != trace_graph(mlp(), x).fingerprint()
+    # another batch size is the same model (each rank of an uneven plan traces its own)
+    assert trace_graph(mlp(), torch.randn(5, 64)).fingerprint() == trace_graph(mlp(), x).fingerprint()
 
 
 def test_activation_costs_follow_the_function_not_a_substring():

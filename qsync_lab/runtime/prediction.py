@@ -1,0 +1,54 @@
+"""What the simulator predicts for a run, emulated device kinds included.
+
+A cluster may let this machine play other devices (``emulate_on = "cpu"`` in its file:
+``local-hybrid``'s rank 0 plays a V100, rank 1 a T4). Such a rank runs its kind's
+numerics at the host's speed, so its prediction must use the host's measured costs:
+:func:`emulation_view` gives each emulated kind the host's hardware numbers (keeping its
+own precisions, so the plan still validates) and costs it as the host.
+
+Example::
+
+    >>> from qsync_lab.cluster import load_cluster
+    >>> from qsync_lab.costs import CostModel
+    >>> cluster, costs = emulation_view(load_cluster("local-hybrid"), CostModel())
+    >>> t4 = cluster.catalog.device("T4")
+    >>> t4.memory_bandwidth_Bps == cluster.catalog.device("cpu").memory_bandwidth_Bps
+    True
+    >>> t4.supports("bf16")   # the T4's own precisions
+    False
+"""
+
+import dataclasses
+from types import MappingProxyType
+
+from qsync_lab.cluster import Cluster
+from qsync_lab.costs import CostModel
+from qsync_lab.graph import OpGraph
+from qsync_lab.plan import Plan
+from qsync_lab.simulate import SimResult, simulate
+
+__all__ = ["emulation_view", "predict_plan"]
+
+
+def emulation_view(cluster: Cluster, costs: CostModel) -> tuple[Cluster, CostModel]:
+    """``cluster`` and ``costs`` with every emulated device kind running at its host's
+    speed (unchanged when no rank is emulated)."""
+    hosts = {r.device: r.emulate_on for r in cluster.ranks if r.emulate_on}
+    catalog = cluster.catalog
+    devices = dict(catalog.devices)
+    for kind, host in hosts.items():
+        own, host_spec = catalog.device(kind), catalog.device(host)
+        devices[own.name] = dataclasses.replace(
+            host_spec, name=own.name, precisions=own.precisions,
+            source=f"{host_spec.source} (emulating {own.name})")
+        costs = costs.emulating(own.name, host_spec.name)
+    catalog = dataclasses.replace(catalog, devices=MappingProxyType(devices))
+    return dataclasses.replace(cluster, catalog=catalog), costs
+
+
+def predict_plan(plan: Plan, graph: OpGraph, cluster: Cluster, costs: CostModel, *,
+                 optimizer: str = "sgd_momentum") -> SimResult:
+    """The simulated iteration of ``plan`` on ``cluster`` (the plan's batch sizes), emulated
+    kinds costed as their host."""
+    cluster, costs = emulation_view(plan.apply_to(cluster), costs)
+    return simulate(graph, plan.simulator_plan(), cluster, costs, optimizer=optimizer)

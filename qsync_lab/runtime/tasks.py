@@ -1,0 +1,195 @@
+"""Training tasks: a model of the zoo with its data, held in memory as tensors.
+
+Bundled tasks (all generated or shipped locally, nothing is downloaded):
+
+* ``digits`` — scikit-learn's 8x8 digits for ``digits_cnn`` (1347 train / 450 test images);
+* ``mnist1d`` — MNIST-1D (40-sample 1-D signals of the 10 digits) generated locally by the
+  ``mnist1d`` package for ``digits_mlp(in_features=40)`` (4000 / 1000);
+* ``tokens`` — a synthetic sequence task for the BERT-style encoders: uniform token ids,
+  label 1 when most tokens lie in the lower half of the vocabulary (learnable, balanced);
+* ``synthetic`` — for any zoo model: seeded random inputs of the model's shape with fixed
+  random labels (a memorisation task, for timing runs).
+
+Your own model and data plug in as a :class:`Task` built by hand (see its docstring).
+
+Example::
+
+    >>> task = load_task("digits")
+    >>> task.model_name, tuple(task.train_inputs[0].shape), len(task.test_target)
+    ('digits_cnn', (1347, 1, 8, 8), 450)
+"""
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.models import example_batch, get_model, model_spec
+
+__all__ = ["TASKS", "Task", "default_task", "load_task"]
+
+#: model -> its bundled task; every other zoo model trains on ``synthetic``
+DEFAULT_TASKS = {"digits_cnn": "digits", "digits_mlp": "mnist1d", "bert_mini": "tokens",
+                 "bert_base": "tokens"}
+SYNTHETIC_SAMPLES = (512, 128)
+TOKEN_SAMPLES = (4096, 1024)
+MNIST1D_LENGTH = 40
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model and its data: what a training run needs besides the plan.
+
+    A user task is built directly::
+
+        >>> import torch
+        >>> x, y = torch.randn(64, 5), torch.randint(2, (64,))
+        >>> task = Task("xor-ish", model_name="", build_model=lambda: torch.nn.Linear(5, 2),
+        ...             train_inputs=(x,), train_target=y, test_inputs=(x,), test_target=y)
+        >>> task.num_train
+        64
+
+    Attributes:
+        name: the task's name.
+        model_name: the zoo model (empty for a user model).
+        build_model: ``build_model() -> nn.Module`` with fresh weights (seeded by the caller).
+        train_inputs / test_inputs: the model's positional inputs, first dimension = samples.
+        train_target / test_target: the targets, first dimension = samples.
+        loss_fn: ``loss_fn() -> nn.Module`` computing a *mean* loss over the batch.
+        model_kwargs: the zoo model's keyword arguments (recorded in checkpoints).
+    """
+
+    name: str
+    model_name: str
+    build_model: Callable[[], nn.Module]
+    train_inputs: tuple[torch.Tensor, ...]
+    train_target: torch.Tensor
+    test_inputs: tuple[torch.Tensor, ...]
+    test_target: torch.Tensor
+    loss_fn: Callable[[], nn.Module] = nn.CrossEntropyLoss
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for split in ("train", "test"):
+            inputs, target = getattr(self, f"{split}_inputs"), getattr(self, f"{split}_target")
+            sizes = {len(t) for t in (*inputs, target)}
+            if len(sizes) != 1 or not sizes.pop():
+                raise QSyncError(f"task {self.name!r}: the {split} inputs and target must be "
+                                 "non-empty and have the same number of samples")
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_target)
+
+    def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The first ``batch_size`` training samples (for tracing the model)."""
+        return tuple(t[:batch_size] for t in self.train_inputs), self.train_target[:batch_size]
+
+
+def default_task(model: str) -> str:
+    """The bundled task a zoo model trains on by default.
+
+    Example::
+
+        >>> default_task("digits_mlp"), default_task("resnet18")
+        ('mnist1d', 'synthetic')
+    """
+    return DEFAULT_TASKS.get(model_spec(model).name, "synthetic")
+
+
+def load_task(name: str, model: str | None = None, *, seed: int = 0, **model_kwargs: Any) -> Task:
+    """Build the bundled task ``name`` (see the module docstring).
+
+    Args:
+        name: ``digits``, ``mnist1d``, ``tokens`` or ``synthetic``.
+        model: the zoo model to train (default: the task's own model; ``synthetic`` needs one).
+        seed: seed of the data (split, generation).
+        model_kwargs: the model's keyword arguments (``tokens`` and ``synthetic`` shape their
+            data from them).
+
+    Raises:
+        QSyncError: an unknown task, or a model the task's data does not fit.
+    """
+    if name not in TASKS:
+        raise QSyncError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    own_model, loader = TASKS[name]
+    model = model_spec(model or own_model or _needs_model(name)).name
+    if own_model is not None and not _fits(own_model, model):
+        raise QSyncError(f"task {name!r} trains {own_model}, not {model}; use --data "
+                         f"{default_task(model)} for {model}")
+    return loader(model, seed, dict(model_kwargs))
+
+
+def _needs_model(name: str) -> str:
+    raise QSyncError(f"task {name!r} needs a model; pass model=... (--model)")
+
+
+def _fits(own_model: str, model: str) -> bool:
+    return own_model == model or (own_model == "bert_mini" and model.startswith("bert_"))
+
+
+def _task(name, model, kwargs, train, test) -> Task:
+    return Task(name, model, lambda: get_model(model, **kwargs), train[0], train[1], test[0],
+                test[1], model_spec(model).loss_fn, kwargs)
+
+
+def _digits(model: str, seed: int, kwargs: dict) -> Task:
+    from qsync_lab.datasets import load_digits_split
+
+    x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
+    return _task("digits", model, kwargs, ((x_train,), y_train), ((x_test,), y_test))
+
+
+def _mnist1d(model: str, seed: int, kwargs: dict) -> Task:
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    kwargs = {**kwargs, "in_features": MNIST1D_LENGTH}
+    args = get_dataset_args()
+    args.seed = seed
+    states = random.getstate(), np.random.get_state()
+    try:  # make_dataset seeds the global generators: leave them as they were
+        data = make_dataset(args)
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+
+    def split(x, y):
+        return (torch.from_numpy(x).float(),), torch.from_numpy(y).long()
+
+    return _task("mnist1d", model, kwargs, split(data["x"], data["y"]),
+                 split(data["x_test"], data["y_test"]))
+
+
+def _tokens(model: str, seed: int, kwargs: dict) -> Task:
+    generator = torch.Generator().manual_seed(seed)
+    defaults = model_spec(model).defaults
+    vocab = kwargs.get("vocab_size", defaults["vocab_size"])
+    seq_len = kwargs.get("seq_len", defaults["seq_len"])
+    if kwargs.get("num_labels", defaults["num_labels"]) != 2:
+        raise QSyncError("the tokens task has 2 labels; use num_labels=2")
+
+    def split(samples):
+        ids = torch.randint(vocab, (samples, seq_len), generator=generator)
+        return (ids,), ((ids < vocab // 2).sum(1) * 2 > seq_len).long()
+
+    return _task("tokens", model, kwargs, *map(split, TOKEN_SAMPLES))
+
+
+def _synthetic(model: str, seed: int, kwargs: dict) -> Task:
+    train, test = (example_batch(model, n, seed=seed + i, **kwargs)
+                   for i, n in enumerate(SYNTHETIC_SAMPLES))
+    return _task("synthetic", model, kwargs, train, test)
+
+
+#: task name -> (its model, or None for any zoo model; loader(model, seed, model_kwargs))
+TASKS: dict[str, tuple[str | None, Callable[[str, int, dict], Task]]] = {
+    "digits": ("digits_cnn", _digits),
+    "mnist1d": ("digits_mlp", _mnist1d),
+    "tokens": ("bert_mini", _tokens),
+    "synthetic": (None, _synthetic),
+}

@@ -1,0 +1,136 @@
+"""Real 2-rank gloo DDP runs under torchrun: equivalence with one process, hybrid plans,
+a SIGKILLed worker, and two "nodes" meeting at a c10d rendezvous on localhost."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from qsync_lab.models import get_model
+from qsync_lab.runtime.checkpoint import load_checkpoint
+from qsync_lab.runtime.metrics import read_metrics
+from qsync_lab.runtime.sampler import UnevenBatchSampler
+from qsync_lab.runtime.tasks import load_task
+from tests.train.conftest import cluster_file, final_parameters, free_port, launch, write_plan
+
+MLP_STEPS, LR, MOMENTUM = 8, 0.05, 0.9
+
+
+def _single_process_reference(batch_sizes, steps):
+    """digits_mlp trained in one process on the concatenated global batches."""
+    task = load_task("synthetic", "digits_mlp")
+    torch.manual_seed(0)
+    model = get_model("digits_mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    sampler = UnevenBatchSampler(task.num_train, batch_sizes, seed=0)
+    loss_fn = task.loss_fn()
+    for step in range(steps):
+        index = sampler.global_indices(step)
+        optimizer.zero_grad()
+        loss_fn(model(task.train_inputs[0][index]), task.train_target[index]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("batch_sizes", [(16, 16), (24, 8)], ids=["even", "uneven"])
+def test_fp32_ddp_equals_one_process_on_the_global_batch(tmp_path, batch_sizes):
+    groups = [f'{{ kind = "cpu", count = 1, batch_size = {b} }}' for b in batch_sizes]
+    plan = write_plan(tmp_path / "plan.json", cluster_file(tmp_path, groups), {},
+                      model="digits_mlp", task="synthetic")
+    summary = launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", str(MLP_STEPS),
+                     "--lr", str(LR), "--momentum", str(MOMENTUM))
+    assert len({r["params_sha256"] for r in summary["ranks"]}) == 1
+    ddp, reference = final_parameters(tmp_path / "run"), _single_process_reference(
+        batch_sizes, MLP_STEPS)
+    for name, value in reference.items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_unweighted_uneven_batches_would_differ(tmp_path):
+    """The reference can tell: equal weights on (24, 8) batches are not the global gradient."""
+    weighted = _single_process_reference((24, 8), 2)
+    task = load_task("synthetic", "digits_mlp")
+    torch.manual_seed(0)
+    model = get_model("digits_mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    sampler = UnevenBatchSampler(task.num_train, (24, 8), seed=0)
+    for step in range(2):
+        optimizer.zero_grad()
+        loss = sum(task.loss_fn()(model(task.train_inputs[0][i]), task.train_target[i]) / 2
+                   for i in (sampler.indices(step, 0), sampler.indices(step, 1)))
+        loss.backward()
+        optimizer.step()
+    assert not torch.allclose(model.state_dict()["fc1.weight"], weighted["fc1.weight"], atol=1e-6)
+
+
+def test_a_mixed_plan_trains_on_the_emulated_hybrid(tmp_path):
+    plan = write_plan(tmp_path / "plan.json", "local-hybrid",
+                      {"T4": {"conv2": "int8", "fc1": "int8", "fc2": "fp16"}})
+    summary = launch(plan, tmp_path / "run", "--steps", "40")
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses
+    v100, t4 = summary["ranks"]
+    assert (v100["kind"], t4["kind"]) == ("V100-SXM2-32GB", "T4")
+    assert v100["applied_plan"] == {} and t4["applied_plan"]["conv2"] == "int8"
+    assert v100["params_sha256"] == t4["params_sha256"]
+    assert summary["test_accuracy"] > 0.8
+    assert summary["predicted_step_ms"] > 0 and summary["measured_step_ms"] > 0
+
+
+FAULT_STEPS, FAULT_EVERY = 300, 20
+
+
+def test_a_killed_worker_resumes_from_the_checkpoint_and_ends_identical(tmp_path):
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {"cpu": {"fc1": "int8"}},
+                      model="digits_mlp", task="synthetic")
+    args = ("--data", "synthetic", "--steps", str(FAULT_STEPS), "--checkpoint-every",
+            str(FAULT_EVERY), "--deterministic", "--resume")
+    launch(plan, tmp_path / "clean", *args)
+    run = tmp_path / "faulty"
+    job = launch(plan, run, *args, max_restarts=1, wait=False)
+    try:
+        victim = _pid_after_first_checkpoint(run, rank=0, job=job)
+        os.kill(victim, signal.SIGKILL)
+        output, _ = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-3000:]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(FAULT_STEPS))
+    assert max(r["attempt"] for r in records) == 1, "the worker was killed after the run ended"
+    assert not list(run.glob(".*.tmp")), "a half-written checkpoint was left behind"
+    assert load_checkpoint(run / "checkpoint.pt")["step"] == FAULT_STEPS
+    clean, faulty = final_parameters(tmp_path / "clean"), final_parameters(run)
+    assert all(torch.equal(clean[k], faulty[k]) for k in clean)
+
+
+def _pid_after_first_checkpoint(run_dir, rank: int, job: subprocess.Popen) -> int:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and job.poll() is None:
+        if (run_dir / "checkpoint.pt").exists():
+            return int(_read_json(run_dir / "ranks" / f"rank{rank}.json")["pid"])
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint appeared (job exit {job.poll()}): "
+                         f"{job.stdout.read()[-3000:] if job.poll() is not None else ''}")
+
+
+def _read_json(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path):
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
+                      task="synthetic")
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", "10", nproc=1,
+                    nnodes=2, rdzv_endpoint=endpoint, wait=False) for _ in range(2)]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    summary = _read_json(tmp_path / "run" / "summary.json")
+    assert summary["world_size"] == 2 and len({r["params_sha256"] for r in summary["ranks"]}) == 1
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 10

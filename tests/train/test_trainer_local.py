@@ -1,0 +1,141 @@
+"""The training runtime in this process on one gloo rank: logs, checkpoints, resume, errors."""
+
+import json
+
+import pytest
+import torch
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.models import get_model
+from qsync_lab.runtime import apply_plan_
+from qsync_lab.runtime.checkpoint import (load_checkpoint, restore_rounding_counters,
+                                          rounding_counters)
+from qsync_lab.runtime.metrics import read_metrics
+from qsync_lab.runtime.tasks import Task
+from qsync_lab.runtime.trainer import TrainConfig, train
+from tests.train.conftest import cluster_file, write_plan
+
+INT8 = {"cpu": {"fc1": "int8", "conv2": "int8"}}
+TINY_BERT = {"vocab_size": 256, "seq_len": 16}
+
+
+def _one_rank_plan(tmp_path, precisions=None, batch=32, **plan_args):
+    cluster = cluster_file(tmp_path, [f'{{ kind = "cpu", count = 1, batch_size = {batch} }}'])
+    return write_plan(tmp_path / "plan.json", cluster, precisions or {}, **plan_args)
+
+
+def test_training_logs_every_step_checkpoints_and_learns(tmp_path, single_rank_group):
+    plan = _one_rank_plan(tmp_path, INT8)
+    summary = train(TrainConfig(str(plan), str(tmp_path / "run"), steps=40, checkpoint_every=15))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(40))
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
+    assert summary["test_accuracy"] > 0.8
+    assert summary["ranks"][0]["applied_plan"]["fc1"] == "int8"
+    assert summary["predicted_step_ms"] > 0 and summary["measured_peak_memory_mib"] > 0
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 30
+    # the final weights are a plain state_dict: a model without any plan loads them
+    get_model("digits_cnn").load_state_dict(torch.load(tmp_path / "run" / "final.pt")["model"])
+
+
+def test_resume_continues_bit_exactly(tmp_path, single_rank_group):
+    # BERT-mini: dropout draws from the RNG, so its state must come back with the weights
+    plan = _one_rank_plan(tmp_path, {"cpu": {"bert.encoder.layer.0.intermediate.dense": "int8"}},
+                          model="bert_mini", task="tokens", **TINY_BERT)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(TrainConfig(str(plan), str(whole), steps=12, checkpoint_every=6))
+    train(TrainConfig(str(plan), str(split), steps=6, checkpoint_every=6))
+    halfway = load_checkpoint(split / "checkpoint.pt")["model"]
+    summary = train(TrainConfig(str(plan), str(split), steps=12, checkpoint_every=6,
+                                resume=True))
+    assert summary["resumed_from"] == 6
+    assert [r["step"] for r in read_metrics(split / "metrics.jsonl")] == list(range(12))
+    a, b = (torch.load(d / "final.pt")["model"] for d in (whole, split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], halfway[k]) for k in a)  # it trained after resuming
+
+
+def test_rounding_counters_round_trip():
+    plan = {"fc1": {"forward": "int8", "rounding": "stochastic"}}
+    model, twin = get_model("digits_mlp"), get_model("digits_mlp")
+    for m in (model, twin):
+        apply_plan_(m, plan)
+    model(torch.randn(4, 64))
+    model(torch.randn(4, 64))
+    assert rounding_counters(model) == {"fc1": 2}
+    restore_rounding_counters(twin, rounding_counters(model))
+    assert twin.fc1.next_seeds(2) == model.fc1.next_seeds(2)
+    with pytest.raises(QSyncError, match="'fc9'"):
+        restore_rounding_counters(twin, {"fc9": 1})
+
+
+def test_a_user_task_plugs_in(tmp_path, single_rank_group):
+    x = torch.randn(256, 6, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    task = Task("sign", "", build, (x[:192],), y[:192], (x[192:],), y[192:])
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+
+    cluster = cluster_file(tmp_path, ['{ kind = "cpu", count = 1, batch_size = 32 }'])
+    graph = trace_graph(build(), (x[:4],), target=y[:4], loss_fn=task.loss_fn())
+    Plan.build(graph, load_cluster(cluster), {"cpu": {"0": "int8"}}).save(tmp_path / "p.json")
+    summary = train(TrainConfig(str(tmp_path / "p.json"), str(tmp_path / "run"), steps=60,
+                                lr=0.1), task=task)
+    assert summary["model"] == "user" and summary["test_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "digits_mlp"}, "another model"),
+    ({"data": "imagenet"}, "unknown task 'imagenet'"),
+    ({"data": "tokens"}, "task 'tokens' trains bert_mini, not digits_cnn"),
+])
+def test_wrong_model_or_data_is_one_line(tmp_path, single_rank_group, change, message):
+    plan = _one_rank_plan(tmp_path)
+    with pytest.raises(QSyncError, match=message) as err:
+        train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1, **change))
+    assert "\n" not in str(err.value)
+
+
+def test_world_size_must_match_the_plan(tmp_path, single_rank_group):
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {})
+    with pytest.raises(QSyncError, match="has 2 ranks but torchrun started 1; use "
+                       "--nproc-per-node=2"):
+        train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1))
+
+
+def test_a_precision_the_device_cannot_run_is_refused(tmp_path, single_rank_group):
+    cluster = cluster_file(tmp_path, ['{ kind = "T4", count = 1, emulate_on = "cpu" }'])
+    plan = write_plan(tmp_path / "plan.json", cluster, {"T4": {"fc1": "fp16"}})
+    document = json.loads(plan.read_text())
+    document["_data"]["precisions"]["T4"]["fc1"] = "bf16"   # hand-edited
+    plan.write_text(json.dumps(document))
+    with pytest.raises(QSyncError, match="T4 cannot run bf16|T4 does not support bf16"):
+        train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1))
+
+
+def test_device_kind_override_must_be_in_the_plan(tmp_path, single_rank_group, monkeypatch):
+    plan = _one_rank_plan(tmp_path)
+    monkeypatch.setenv("QSYNC_DEVICE_KIND", "A100")
+    with pytest.raises(QSyncError, match="QSYNC_DEVICE_KIND='A100' is not a device kind"):
+        train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1))
+
+
+def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
+    plan = _one_rank_plan(tmp_path)
+    train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2, checkpoint_every=1))
+    other = write_plan(tmp_path / "other.json", cluster_file(
+        tmp_path, ['{ kind = "cpu", count = 1, batch_size = 32 }'], "c2"), {"cpu": {"fc1": "bf16"}})
+    with pytest.raises(QSyncError, match="written under another plan"):
+        train(TrainConfig(str(other), str(tmp_path / "run"), steps=3, resume=True))
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("checkpoint_every", -1)])
+def test_bad_config_values(field, value):
+    with pytest.raises(QSyncError, match=field):
+        TrainConfig("plan.json", **{field: value})
