@@ -1,0 +1,80 @@
+"""Bundled tasks and the uneven per-rank sampler."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
+from qsync_lab.runtime.tasks import default_task, load_task
+
+
+def test_mnist1d_is_generated_locally_and_leaves_the_global_generators_alone():
+    random.seed(7)
+    np.random.seed(7)
+    before = random.random(), np.random.rand()
+    random.seed(7)
+    np.random.seed(7)
+    task = load_task("mnist1d")
+    assert (random.random(), np.random.rand()) == before
+    assert tuple(task.train_inputs[0].shape) == (4000, 40)
+    assert tuple(task.test_inputs[0].shape) == (1000, 40)
+    assert set(task.train_target.tolist()) == set(range(10))
+    assert task.model_kwargs["in_features"] == 40
+    assert task.build_model()(task.train_inputs[0][:3]).shape == (3, 10)
+
+
+def test_tokens_task_is_balanced_and_follows_its_rule():
+    task = load_task("tokens", "bert_mini", vocab_size=100, seq_len=9)
+    ids, labels = task.train_inputs[0], task.train_target
+    assert ids.max() < 100 and ids.shape[1] == 9
+    assert torch.equal(labels, ((ids < 50).sum(1) > 4).long())
+    assert 0.4 < labels.float().mean() < 0.6
+
+
+def test_synthetic_task_fits_any_zoo_model():
+    task = load_task("synthetic", "resnet18", num_classes=10, image_size=32)
+    assert tuple(task.train_inputs[0].shape[1:]) == (3, 32, 32)
+    assert default_task("resnet18") == "synthetic" and default_task("bert_base") == "tokens"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("cifar",), "unknown task 'cifar'"),
+    (("synthetic",), "task 'synthetic' needs a model"),
+    (("digits", "digits_mlp"), "task 'digits' trains digits_cnn, not digits_mlp"),
+])
+def test_task_errors(args, message):
+    with pytest.raises(QSyncError, match=message):
+        load_task(*args)
+
+
+def test_uneven_batches_partition_each_global_batch():
+    sampler = UnevenBatchSampler(100, (5, 2, 3), seed=1)
+    assert sampler.steps_per_epoch == 10
+    seen = []
+    for step in range(sampler.steps_per_epoch):
+        parts = [sampler.indices(step, r) for r in range(3)]
+        assert [len(p) for p in parts] == [5, 2, 3]
+        assert torch.equal(torch.cat(parts), sampler.global_indices(step))
+        seen += torch.cat(parts).tolist()
+    assert sorted(seen) == list(range(100))  # one epoch sees every sample once
+    next_epoch = sampler.global_indices(10)
+    assert not torch.equal(next_epoch, sampler.global_indices(0))  # reshuffled
+    assert torch.equal(next_epoch, UnevenBatchSampler(100, (5, 2, 3), seed=1).global_indices(10))
+
+
+def test_loss_weights_average_to_the_global_mean():
+    sizes = (24, 8, 16)
+    assert sum(loss_weight(sizes, r) for r in range(3)) / 3 == pytest.approx(1.0)
+    assert [loss_weight(sizes, r) for r in range(3)] == pytest.approx([1.5, 0.5, 1.0])
+
+
+@pytest.mark.parametrize("samples, sizes, message", [
+    (10, (8, 4), "fewer than one global batch"),
+    (10, (0, 4), "positive integers"),
+])
+def test_sampler_errors(samples, sizes, message):
+    with pytest.raises(QSyncError, match=message):
+        UnevenBatchSampler(samples, sizes)
