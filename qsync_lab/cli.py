@@ -98,30 +98,26 @@ def _add_profile_parser(sub) -> None:
 
 
 def _cmd_profile(args) -> None:
-    import numba
-    import torch
-
     from qsync_lab.models import example_batch, get_model, model_spec
     from qsync_lab.precision import Precision
     from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                                   link_metadata, profile_allreduce, profile_casts, profile_ops,
-                                   run_metadata, write_device_profile)
+                                   intra_op_threads, link_metadata, profile_allreduce,
+                                   profile_casts, profile_ops, run_metadata, write_device_profile)
 
     if args.batch < 1 or args.threads < 1 or args.repeats < 1:
         raise QSyncError("--batch, --threads and --repeats must be positive integers")
     precisions = [str(Precision.parse(p)) for p in args.precisions.split(",")]
-    torch.set_num_threads(args.threads)
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     frames = []
-    for name in args.model:
-        inputs, target = example_batch(name, args.batch)
-        rows = profile_ops(get_model(name), inputs, target, model_spec(name).loss_fn(),
-                           precisions, repeats=args.repeats)
-        # several models share op names (conv1, fc): match their rows by kind and shape
-        frames.append(rows.assign(op="") if len(args.model) > 1 else rows)
     pairs = ([("fp32", p) for p in precisions if p != "fp32"]
              + [(p, "fp32") for p in precisions if p not in ("fp32", "int8")])
-    casts = profile_casts(pairs, default_cast_sizes(), repeats=args.repeats)
+    with intra_op_threads(args.threads):
+        for name in args.model:
+            inputs, target = example_batch(name, args.batch)
+            rows = profile_ops(get_model(name), inputs, target, model_spec(name).loss_fn(),
+                               precisions, repeats=args.repeats)
+            # several models share op names (conv1, fc): match their rows by kind and shape
+            frames.append(rows.assign(op="") if len(args.model) > 1 else rows)
+        casts = profile_casts(pairs, default_cast_sizes(), repeats=args.repeats)
     allreduce = profile_allreduce(default_sizes(), repeats=args.repeats)
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
                           link="loopback")

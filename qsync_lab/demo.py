@@ -29,6 +29,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import ddp_buckets, trace_graph
 from qsync_lab.indicator import indicator
 from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.runtime.metrics import read_metrics
 from qsync_lab.simulate import simulate
 
 __all__ = ["LOCAL_MODEL", "run_demo"]
@@ -36,6 +37,7 @@ __all__ = ["LOCAL_MODEL", "run_demo"]
 LOCAL_MODEL = ("bert_mini", {"seq_len": 32, "vocab_size": 2000})
 LOCAL_CLUSTER = "local-hybrid"
 PROFILE_PRECISIONS = ("fp32", "fp16", "int8")
+LOCAL_LR = 0.01
 RUN_TIMEOUT_S = 600
 
 
@@ -86,7 +88,8 @@ def _paper_scale(out: Path, name: str, cluster_name: str) -> None:
 
 
 def _on_this_machine(out: Path, steps: int) -> dict:
-    from qsync_lab.profile import profile_ops, run_metadata, write_device_profile
+    from qsync_lab.profile import (intra_op_threads, load_cost_model, profile_ops, run_metadata,
+                                   write_device_profile)
     from qsync_lab.resources import data_file
     from qsync_lab.runtime.launch import torchrun_command
     from qsync_lab.runtime.prediction import predict_plan
@@ -101,12 +104,8 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     inputs, target = task.example(batch)
     _section(f"5. {name} on this machine: trace and profile (1 thread per rank)")
     graph = trace_graph(model, inputs, target=target, loss_fn=task.loss_fn())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         rows = profile_ops(model, inputs, target, task.loss_fn(), PROFILE_PRECISIONS, repeats=5)
-    finally:
-        torch.set_num_threads(threads)
     profile = out / "profile.csv"
     write_device_profile(profile, [rows], run_metadata("cpu", threads=1))
     print(f"{len(rows)} rows ({graph.num_ops} ops x {', '.join(PROFILE_PRECISIONS)} x phases) "
@@ -122,8 +121,6 @@ def _on_this_machine(out: Path, steps: int) -> dict:
           f"{result.iteration_us / 1e3:.2f} ms (pace {result.target_us / 1e3:.2f} ms)")
     _section("8. simulate the emulated run (this CPU's profile) and write the trace")
     profiles = (str(profile), str(data_file("profiles", "cpu.csv")))
-    from qsync_lab.profile import load_cost_model
-
     predicted = predict_plan(plan, graph, cluster, load_cost_model(*profiles),
                              optimizer="sgd_momentum")
     predicted.to_perfetto(out / "trace.json")
@@ -132,7 +129,8 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     _section(f"9. train the plan on 2 local ranks ({steps} steps, torchrun, gloo)")
     run_dir = out / "run"
     command = torchrun_command(str(out / "plan.json"), cluster.world_size, runtime_args=[
-        "--run-dir", str(run_dir), "--steps", str(steps), "--checkpoint-every", "0",
+        "--run-dir", str(run_dir), "--steps", str(steps), "--checkpoint-every", "0", "--lr",
+        str(LOCAL_LR),
         "--threads", "1", *[arg for p in profiles for arg in ("--profile", p)]])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -160,5 +158,10 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
     print(f"peak tensor memory: measured {summary['measured_peak_memory_mib']:.1f} MiB, "
           f"predicted {summary['predicted_peak_memory_mib']:.1f} MiB "
           f"({summary['memory_error_pct']:+.1f} %)")
-    print(f"test accuracy {summary['test_accuracy']:.3f} after {summary['steps']} steps; "
-          f"per-step metrics in {run_dir / 'metrics.jsonl'}")
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    half = max(1, len(losses) // 2)
+    head, tail = losses[:half], losses[-half:]
+    print(f"training loss: first half of the steps {sum(head) / len(head):.3f}, second half "
+          f"{sum(tail) / len(tail):.3f}; test accuracy {summary['test_accuracy']:.3f} after "
+          f"{summary['steps']} steps (chance 0.5); per-step metrics in "
+          f"{run_dir / 'metrics.jsonl'}")

@@ -23,11 +23,11 @@ from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import autograd_call_overhead_us, profile_ops
 from qsync_lab.profile.table import (link_metadata, load_cost_model, read_link_fits,
                                      write_device_profile)
-from qsync_lab.profile.timing import median_time_us, run_metadata
+from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metadata
 
 __all__ = [
     "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "default_cast_sizes",
-    "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line", "link_metadata",
+    "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line", "intra_op_threads", "link_metadata",
     "load_cost_model", "median_time_us", "profile_allreduce", "profile_casts", "profile_ops",
     "read_link_fits", "run_metadata", "write_device_profile",
 ]

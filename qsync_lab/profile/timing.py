@@ -10,6 +10,9 @@ Example::
     True
     >>> sorted(run_metadata("cpu", threads=1))[:3]
     ['cuda_version', 'date', 'device']
+    >>> with intra_op_threads(1):
+    ...     torch.get_num_threads()
+    1
 """
 
 import datetime
@@ -17,15 +20,39 @@ import importlib.metadata
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["median_time_us", "run_metadata"]
+__all__ = ["intra_op_threads", "median_time_us", "run_metadata"]
 
 _NS_PER_US = 1e3
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch and Numba threads (the cores one DDP rank will
+    have), then restore both. Numba's pool is capped at the size it started with.
+
+    A profile with fewer threads than its process has cores must limit Numba too: Numba's
+    parallel kernels (low-precision emulation) otherwise use every core, and on a busy
+    machine their barriers wait on descheduled threads (ops measured 5x too slow).
+    """
+    import numba
+
+    if threads < 1:
+        raise QSyncError(f"threads must be a positive integer, got {threads}")
+    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(torch_threads)
+        numba.set_num_threads(numba_threads)
 
 
 def median_time_us(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
