@@ -110,7 +110,8 @@ def chain_costs(work: OpWork, ops: Sequence[int], device: DeviceSpec, costs: Cos
     for c, p in enumerate(precisions):
         q = backward_precision(p)
         phase_us = {phase: costs.op_times_us(work, [p if phase == "forward" else q] * len(work),
-                                             device, batch_size=batch_size, phase=phase)[0][index]
+                                             device, batch_size=batch_size, phase=phase,
+                                             plan_precisions=[p] * len(work))[0][index]
                     for phase in ("forward", "backward_input", "backward_weight")}
         stored, stored_q = storage_precision(p), storage_precision(q)
         total = sum(phase_us.values())

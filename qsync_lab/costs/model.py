@@ -134,7 +134,8 @@ class CostModel:
         return self.rooflines.get(device.name, self.default_roofline)
 
     def op_times_us(self, work: OpWork, precisions: Sequence["Precision | str"],
-                    device: DeviceSpec, *, batch_size: int, phase: str
+                    device: DeviceSpec, *, batch_size: int, phase: str,
+                    plan_precisions: Sequence["Precision | str"] | None = None
                     ) -> tuple[np.ndarray, list[str]]:
         """Time and source of every op of ``work`` in ``phase`` (vectorized).
 
@@ -144,7 +145,10 @@ class CostModel:
             device: the device kind.
             batch_size: the per-rank batch size.
             phase: ``forward``, ``backward_input`` or ``backward_weight``.
+            plan_precisions: per op, the precision the plan gives it (the key of measured
+                rows: an int8 op's fp16 backward is not an fp16 op's); default ``precisions``.
         """
+        keys = precisions if plan_precisions is None else plan_precisions
         flops, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
         roofline = self.roofline_for(device)
         times = roofline.times_us(flops, nbytes, work.kinds, device, precisions)
@@ -158,7 +162,7 @@ class CostModel:
                 key = shape_key(work, i, batch_size)
                 for table in tables:
                     found = table.op_time_us(device.name, name, str(Precision.parse(
-                        precisions[i])), phase, batch_size, key)
+                        keys[i])), phase, batch_size, key)
                     if found is not None:
                         times[i], sources[i] = found, table.source
                         break

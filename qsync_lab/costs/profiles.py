@@ -10,6 +10,10 @@ op         op FQN in the profiled graph (empty when only the shape key should ma
 kind       op kind (``linear``...), or ``cast`` for a cast row
 shape_key  :func:`qsync_lab.costs.shape_key` of the op at ``batch_size`` (empty for casts)
 precision  the precision the phase computed in; ``src->dst`` (``fp32->fp16``) for a cast
+plan_precision the precision the plan gives the op, the lookup key: it differs from
+           ``precision`` for an int8 op's backward (computed in fp16), which must not be
+           taken for an fp16 op's backward (no dequantisation of saved int8 tensors);
+           optional on reading (default: ``precision``)
 phase      ``forward``, ``backward_input``, ``backward_weight`` or ``cast``
 batch_size per-rank batch size of the measurement (0 for casts)
 numel      elements converted (casts; 0 otherwise)
@@ -21,7 +25,8 @@ repeats    how many timed runs the median is over
 
 Metadata keys the profiler writes: ``torch_version``, ``cuda_version``, ``device_name``,
 ``qsync_lab_version``, ``date``. Rows match an op by (device, FQN, precision, phase,
-batch size) first, then by (device, kind, shape key, precision, phase).
+batch size) first, then by (device, kind, shape key, precision, phase), the precision
+being the plan's (``plan_precision``).
 
 Example::
 
@@ -54,10 +59,10 @@ from qsync_lab.precision import Precision
 __all__ = ["PROFILE_COLUMNS", "PROFILE_PHASES", "ProfileTable", "read_profile",
            "write_profile"]
 
-PROFILE_COLUMNS = ("device", "op", "kind", "shape_key", "precision", "phase", "batch_size",
-                   "numel", "flops", "bytes", "time_us", "repeats")
+PROFILE_COLUMNS = ("device", "op", "kind", "shape_key", "precision", "plan_precision", "phase",
+                   "batch_size", "numel", "flops", "bytes", "time_us", "repeats")
 PROFILE_PHASES = ("forward", "backward_input", "backward_weight", "cast")
-_TEXT = ("device", "op", "kind", "shape_key", "precision", "phase")
+_TEXT = ("device", "op", "kind", "shape_key", "precision", "plan_precision", "phase")
 _META_PREFIX = "#"
 
 
@@ -71,8 +76,8 @@ class ProfileTable:
         frame: the rows (columns :data:`PROFILE_COLUMNS`).
         source: ``"profile:<file name>"``, carried by every number taken from it.
         metadata: the ``# key: value`` lines.
-        by_op: (device, op, precision, phase, batch_size) -> time_us.
-        by_shape: (device, kind, shape_key, precision, phase) -> time_us.
+        by_op: (device, op, plan precision, phase, batch_size) -> time_us.
+        by_shape: (device, kind, shape_key, plan precision, phase) -> time_us.
     """
 
     frame: pd.DataFrame
@@ -88,17 +93,18 @@ class ProfileTable:
         frame = _checked(frame, source)
         ops = frame[frame["phase"] != "cast"]
         by_op = {(d, o, p, ph, int(b)): float(t) for d, o, p, ph, b, t in zip(
-            ops["device"], ops["op"], ops["precision"], ops["phase"], ops["batch_size"],
+            ops["device"], ops["op"], ops["plan_precision"], ops["phase"], ops["batch_size"],
             ops["time_us"]) if o}
         by_shape = {(d, k, s, p, ph): float(t) for d, k, s, p, ph, t in zip(
-            ops["device"], ops["kind"], ops["shape_key"], ops["precision"], ops["phase"],
+            ops["device"], ops["kind"], ops["shape_key"], ops["plan_precision"], ops["phase"],
             ops["time_us"]) if s}
         return cls(frame, source, MappingProxyType(dict(metadata or {})),
                    MappingProxyType(by_op), MappingProxyType(by_shape))
 
     def op_time_us(self, device: str, op: str, precision: str, phase: str,
                    batch_size: int, shape_key: str | None = None) -> float | None:
-        """The measured time of an op, by FQN and else by shape key; None if not measured."""
+        """The measured time of an op whose plan gives it ``precision``, by FQN and else by
+        shape key; None if not measured."""
         found = self.by_op.get((device, op, precision, phase, batch_size))
         if found is None and shape_key is not None:
             kind = shape_key.split("|", 1)[0]
@@ -157,6 +163,8 @@ def write_profile(path: "str | os.PathLike[str]", frame: pd.DataFrame,
 
 
 def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
+    if "plan_precision" not in frame.columns and "precision" in frame.columns:
+        frame = frame.assign(plan_precision=frame["precision"])  # written before the column
     missing = [c for c in PROFILE_COLUMNS if c not in frame.columns]
     if missing:
         raise QSyncError(f"profile {source} lacks column {missing[0]!r}; "
@@ -164,7 +172,8 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     frame = frame.loc[:, list(PROFILE_COLUMNS)].copy()
     for col in _TEXT:
         frame[col] = frame[col].astype(str)
-    frame["precision"] = frame["precision"].str.strip().str.lower()
+    for col in ("precision", "plan_precision"):
+        frame[col] = frame[col].str.strip().str.lower()
     for col in ("batch_size", "numel", "flops", "bytes", "time_us", "repeats"):
         values = pd.to_numeric(frame[col], errors="coerce")
         if values.isna().any() or (values < 0).any():
@@ -177,8 +186,9 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
         row = int(frame.index[bad_phase][0])
         raise QSyncError(f"profile {source} row {row}: unknown phase "
                          f"{frame['phase'].iloc[row]!r}; use {', '.join(PROFILE_PHASES)}")
-    for row, (phase, text) in enumerate(zip(frame["phase"], frame["precision"])):
-        for name in text.split("->") if phase == "cast" else [text]:
+    for row, (phase, text, plan) in enumerate(zip(frame["phase"], frame["precision"],
+                                                  frame["plan_precision"])):
+        for name in text.split("->") + plan.split("->") if phase == "cast" else [text, plan]:
             try:
                 Precision.parse(name)
             except QSyncError as err:

@@ -57,7 +57,8 @@ def profile_casts(pairs: Sequence[tuple[str, str]], sizes: Sequence[int], *,
             time_us = median_time_us(lambda: reencode(held, src, dst), repeats=repeats,
                                      warmup=warmup)
             rows.append({"device": device, "op": "", "kind": "cast", "shape_key": "",
-                         "precision": f"{src}->{dst}", "phase": "cast", "batch_size": 0,
+                         "precision": f"{src}->{dst}", "plan_precision": f"{src}->{dst}",
+                         "phase": "cast", "batch_size": 0,
                          "numel": int(numel), "flops": 0.0,
                          "bytes": numel * (src.bits + dst.bits) / 8, "time_us": time_us,
                          "repeats": repeats})

@@ -21,8 +21,9 @@ How one op is measured (``profile_ops``):
    step enters the autograd engine once, not once per op.
 3. Rows are written only for the phases the simulator looks up (an op's phase with work,
    :func:`qsync_lab.costs.phase_work`), keyed by the op FQN and its shape key at the
-   profiled batch size. A backward row's precision is the one the backward computes in
-   (``int8`` ops: ``fp16``, :mod:`qsync_lab.simulate.policy`).
+   profiled batch size. A backward row's ``precision`` is the one the backward computes
+   in (``int8`` ops: ``fp16``, :mod:`qsync_lab.simulate.policy`); its ``plan_precision``
+   is the op's (``int8``), so it is never taken for an fp16 op's backward.
 
 Intra-op threads are whatever ``torch.get_num_threads()`` is; profile with the threads a
 training rank will have (``torch.set_num_threads(1)`` for 2 DDP ranks on 2 cores).
@@ -137,7 +138,7 @@ def profile_ops(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
                 flops, nbytes = phase_work(work, [q] * len(work), phase, batch_size=batch)
                 rows.append({"device": device, "op": work.names[i], "kind": work.kinds[i],
                              "shape_key": shape_key(work, i, batch), "precision": str(q),
-                             "phase": phase, "batch_size": batch, "numel": 0,
+                             "plan_precision": str(p), "phase": phase, "batch_size": batch, "numel": 0,
                              "flops": float(flops[i]), "bytes": float(nbytes[i]),
                              "time_us": time_us, "repeats": repeats})
     bar.close()

@@ -126,7 +126,7 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
     for phase, precisions in (("forward", fwd), ("backward_input", bwd),
                               ("backward_weight", bwd)):
         times, sources = costs.op_times_us(work, precisions, device, batch_size=batch_size,
-                                           phase=phase)
+                                           phase=phase, plan_precisions=fwd)
         _, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
         timing[phase] = (times, sources, nbytes)
     build = _Builder()

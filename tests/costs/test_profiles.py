@@ -19,6 +19,7 @@ def _row(**values):
            "phase": "forward", "batch_size": 32, "numel": 0, "flops": 0, "bytes": 0,
            "time_us": 1.0, "repeats": 10}
     row.update(values)
+    row.setdefault("plan_precision", row["precision"])
     return row
 
 
@@ -73,6 +74,30 @@ def test_measured_rows_override_roofline_by_fqn_then_shape(work, tmp_path):
     assert sources == ["profile:T4.csv", "roofline", "profile:T4.csv"]
     other_batch = model.op_time_us(work, "0", "fp16", t4, batch_size=16)
     assert other_batch.source == "roofline"
+
+
+def test_an_int8_ops_fp16_backward_row_is_not_an_fp16_ops(work, tmp_path):
+    t4 = load_catalog().device("T4")
+    path = tmp_path / "T4.csv"
+    rows = [_row(op="2", phase="backward_input", precision="fp16", plan_precision="int8",
+                 time_us=30.0, batch_size=32),
+            _row(op="2", phase="backward_input", precision="fp16", time_us=10.0,
+                 batch_size=32)]
+    write_profile(path, pd.DataFrame(rows))
+    model = CostModel.from_profiles(path, calibrate=False)
+
+    def backward_us(plan):
+        return model.op_times_us(work, ["fp16"] * 3, t4, batch_size=32, phase="backward_input",
+                                 plan_precisions=[plan] * 3)[0][2]
+
+    assert (backward_us("int8"), backward_us("fp16")) == (30.0, 10.0)
+    assert read_profile(path).frame["plan_precision"].tolist() == ["int8", "fp16"]
+
+
+def test_a_profile_without_the_plan_precision_column_still_reads(tmp_path):
+    path = tmp_path / "old.csv"
+    pd.DataFrame([_row()]).drop(columns="plan_precision").to_csv(path, index=False)
+    assert read_profile(path).frame["plan_precision"].tolist() == ["fp16"]
 
 
 @pytest.fixture(scope="module")
