@@ -71,6 +71,10 @@ class CostModel:
         cast_fits: (device, src, dst) -> :class:`CastFit`.
         link_fits: link name -> measured :class:`LinkSpec` replacing the catalog's link of
             that name in allreduces (its ``source`` names the fit).
+        casts_in_measured_ops: measured op times include the op's own casts (the runtime's
+            ops cast their operands, and the profiler times them whole), so the simulator
+            adds no cast events for a phase whose time is measured. False for tables of
+            bare op times.
     """
 
     rooflines: Mapping[str, Roofline] = field(default_factory=dict)
@@ -78,6 +82,7 @@ class CostModel:
     profiles: tuple[ProfileTable, ...] = ()
     cast_fits: Mapping[tuple[str, Precision, Precision], CastFit] = field(default_factory=dict)
     link_fits: Mapping[str, LinkSpec] = field(default_factory=dict)
+    casts_in_measured_ops: bool = True
 
     @classmethod
     def from_profiles(cls, *paths: "str | os.PathLike[str]", catalog: DeviceCatalog | None = None,

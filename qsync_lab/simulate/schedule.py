@@ -15,7 +15,9 @@ Order of events (one compute stream, so each starts when the previous one ends):
   ready when the last of these ends.
 
 View ops alias their input and produce no events. Ops with no work in a phase produce no
-event for it.
+event for it. A runtime op casts its own operands, so a time measured by the profiler
+(source ``profile:…``) already holds them: the casts of a phase whose op time is measured
+are not added again (unless ``CostModel.casts_in_measured_ops`` is False).
 
 Example::
 
@@ -128,7 +130,8 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         times, sources = costs.op_times_us(work, precisions, device, batch_size=batch_size,
                                            phase=phase, plan_precisions=fwd)
         _, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
-        timing[phase] = (times, sources, nbytes)
+        casts_inside = [costs.casts_in_measured_ops and s.startswith("profile:") for s in sources]
+        timing[phase] = (times, sources, nbytes, casts_inside)
     build = _Builder()
     input_casts = _forward(build, work, assignment, scale, timing["forward"])
     marks = _backward(build, work, assignment, scale, timing, input_casts)
@@ -140,7 +143,7 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
 def _forward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
              scale: np.ndarray, timing) -> dict[int, dict[Precision, float]]:
     """Forward events; returns, per op, the numel cast in from each producer precision."""
-    times, sources, nbytes = timing
+    times, sources, nbytes, casts_inside = timing
     input_casts: dict[int, dict[Precision, float]] = {}
     for i, fqn in enumerate(work.names):
         if work.kinds[i] == "view":
@@ -151,11 +154,13 @@ def _forward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
         for j in work.producers[i]:
             if work.float_output[j] and assignment.output[j] is not stored:
                 from_producers[assignment.output[j]] += work.out_numel[j] * scale[j]
-        for src, numel in from_producers.items():
-            build.cast(fqn, "", src, stored, numel, "forward", p)
-        build.cast(fqn, "", Precision.FP32, stored, work.data_input_numel[i] * scale[i],
-                   "forward", p)
-        build.cast(fqn, "weight:", Precision.FP32, stored, work.weight_numel[i], "forward", p)
+        if not casts_inside[i]:
+            for src, numel in from_producers.items():
+                build.cast(fqn, "", src, stored, numel, "forward", p)
+            build.cast(fqn, "", Precision.FP32, stored, work.data_input_numel[i] * scale[i],
+                       "forward", p)
+            build.cast(fqn, "weight:", Precision.FP32, stored, work.weight_numel[i],
+                       "forward", p)
         if times[i] > 0:
             build.add(fqn, fqn, "op", "forward", str(p), str(p), times[i], nbytes[i],
                       sources[i])
@@ -168,27 +173,28 @@ def _backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
               ) -> np.ndarray:
     """Backward events; returns per op how many events exist once its backward is done."""
     marks = np.zeros(len(work), dtype=np.int64)
-    bin_times, bin_sources, bin_bytes = timing["backward_input"]
-    bw_times, bw_sources, bw_bytes = timing["backward_weight"]
+    bin_times, bin_sources, bin_bytes, bin_inside = timing["backward_input"]
+    bw_times, bw_sources, bw_bytes, bw_inside = timing["backward_weight"]
     for i in reversed(range(len(work))):
         if work.kinds[i] != "view":
             _op_backward(build, work, assignment, scale, i, input_casts[i],
-                         (bin_times[i], bin_sources[i], bin_bytes[i]),
-                         (bw_times[i], bw_sources[i], bw_bytes[i]))
+                         (bin_times[i], bin_sources[i], bin_bytes[i], bin_inside[i]),
+                         (bw_times[i], bw_sources[i], bw_bytes[i], bw_inside[i]))
         marks[i] = build.mark()
     return marks
 
 
 def _op_backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
                  scale: np.ndarray, i: int, input_casts: dict[Precision, float],
-                 grad_input: tuple[float, str, float], grad_weight: tuple[float, str, float]
-                 ) -> None:
-    """Events of op ``i``'s backward; ``grad_*`` are (time_us, source, bytes) of its phases."""
+                 grad_input: tuple, grad_weight: tuple) -> None:
+    """Events of op ``i``'s backward; ``grad_*`` are (time_us, source, bytes, casts
+    inside) of its phases."""
     fqn, p, q = work.names[i], assignment.precision[i], assignment.backward[i]
     stored_q = storage_precision(q)
-    input_us, input_source, input_bytes = grad_input
-    weight_us, weight_source, weight_bytes = grad_weight
-    if p is Precision.INT8 and (input_us > 0 or weight_us > 0):
+    input_us, input_source, input_bytes, input_casts_inside = grad_input
+    weight_us, weight_source, weight_bytes, weight_casts_inside = grad_weight
+    if p is Precision.INT8 and (input_us > 0 or weight_us > 0) and not (
+            input_casts_inside or weight_casts_inside):
         build.cast(fqn, "grad_out:", Precision.FP32, stored_q, work.out_numel[i] * scale[i],
                    "backward", p)
         saved_numel = work.act_read_bytes[i] * scale[i] / _FP32_BYTES + work.weight_numel[i]
@@ -196,10 +202,12 @@ def _op_backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
     if input_us > 0:
         build.add(fqn, fqn, "op", "backward_input", str(q), str(p), input_us, input_bytes,
                   input_source)
-    for src, numel in input_casts.items():
-        build.cast(fqn, "grad:", stored_q, src, numel, "backward", p)
+    if not input_casts_inside:
+        for src, numel in input_casts.items():
+            build.cast(fqn, "grad:", stored_q, src, numel, "backward", p)
     if weight_us > 0:
         build.add(fqn, fqn, "op", "backward_weight", str(q), str(p), weight_us, weight_bytes,
                   weight_source)
-        build.cast(fqn, "weight_grad:", stored_q, Precision.FP32, work.weight_numel[i],
-                   "backward", p)
+        if not weight_casts_inside:
+            build.cast(fqn, "weight_grad:", stored_q, Precision.FP32, work.weight_numel[i],
+                       "backward", p)

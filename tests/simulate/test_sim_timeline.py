@@ -5,14 +5,17 @@ backward op 4 (input, weight), 3 (input), 2 (input, weight), 1 (input), 0 (weigh
 input is data). So the gradients of layer 4, 2, 0 are final at 7T, 10T and 12T.
 """
 
+import dataclasses
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
 from tests.simulate.conftest import (ALLREDUCE_US, BATCH, BUCKET_CAP_MB, CAST_US, FAST, FAST_US, SLOW,
-                      SLOW_US, assert_no_overlap)
+                      SLOW_US, assert_no_overlap, profile_rows)
 
-from qsync_lab.costs import CostModel
+from qsync_lab.costs import CostModel, write_profile
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.cluster import load_cluster
@@ -91,6 +94,21 @@ def test_mixed_plan_puts_casts_exactly_at_boundaries(graph, make_cluster, round_
     precisions = _compute(sim, 1).drop_duplicates("op").set_index("op")["precision"]
     assert precisions[["0", "1", "2", "3", "4"]].tolist() == ["fp32", "fp32", "fp16", "fp16",
                                                               "fp32"]
+
+
+def test_measured_op_times_hold_their_casts(graph, make_cluster, tmp_path):
+    """The profiler times runtime ops whole, casts included: no cast events are added."""
+    times = {FAST: FAST_US, SLOW: SLOW_US}
+    rows = pd.concat([profile_rows(graph, times), profile_rows(graph, times, precision="fp16")])
+    write_profile(tmp_path / "p.csv", rows)
+    measured = CostModel.from_profiles(tmp_path / "p.csv", calibrate=False)
+    cluster = make_cluster([FAST, SLOW])
+    sim = simulate(graph, {SLOW: {"2": "fp16"}}, cluster, measured)
+    assert not (_compute(sim, 1)["category"] == "cast").any()
+    bare = dataclasses.replace(measured, casts_in_measured_ops=False)
+    with_casts = simulate(graph, {SLOW: {"2": "fp16"}}, cluster, bare)
+    assert (_compute(with_casts, 1)["category"] == "cast").sum() == 6
+    assert with_casts.iteration_us - sim.iteration_us == pytest.approx(6 * CAST_US)
 
 
 def test_int8_ops_run_backward_in_fp16(graph, make_cluster, round_costs):
