@@ -12,5 +12,7 @@ Example::
 from qsync_lab.viz.graph_figures import plot_buckets, plot_flops_by_kind
 from qsync_lab.viz.indicator_figures import plot_indicator
 from qsync_lab.viz.timeline import plot_timeline
+from qsync_lab.viz.training import plot_training
 
-__all__ = ["plot_buckets", "plot_flops_by_kind", "plot_indicator", "plot_timeline"]
+__all__ = ["plot_buckets", "plot_flops_by_kind", "plot_indicator", "plot_timeline",
+           "plot_training"]
