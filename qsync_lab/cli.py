@@ -93,28 +93,37 @@ def _add_profile_parser(sub) -> None:
     profile.add_argument("--threads", type=int, default=1,
                          help="threads per op (= the cores one DDP rank will have; default 1)")
     profile.add_argument("--repeats", type=int, default=10, help="timed repeats (median)")
+    profile.add_argument("--processes", type=int, default=1,
+                         help="profile in N processes at once, as N local DDP ranks run "
+                         "(they share caches and memory bandwidth; default 1)")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=_cmd_profile)
 
 
 def _cmd_profile(args) -> None:
+    import functools
+
     from qsync_lab.models import example_batch, get_model, model_spec
     from qsync_lab.precision import Precision
     from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
                                    intra_op_threads, link_metadata, profile_allreduce,
-                                   profile_casts, profile_ops, run_metadata, write_device_profile)
+                                   profile_casts, profile_ops, profile_ops_concurrently,
+                                   run_metadata, write_device_profile)
 
-    if args.batch < 1 or args.threads < 1 or args.repeats < 1:
-        raise QSyncError("--batch, --threads and --repeats must be positive integers")
+    if min(args.batch, args.threads, args.repeats, args.processes) < 1:
+        raise QSyncError("--batch, --threads, --repeats and --processes must be positive "
+                         "integers")
     precisions = [str(Precision.parse(p)) for p in args.precisions.split(",")]
     frames = []
     pairs = ([("fp32", p) for p in precisions if p != "fp32"]
              + [(p, "fp32") for p in precisions if p not in ("fp32", "int8")])
+    profile = (functools.partial(profile_ops_concurrently, processes=args.processes,
+                                 threads=args.threads) if args.processes > 1 else profile_ops)
     with intra_op_threads(args.threads):
         for name in args.model:
             inputs, target = example_batch(name, args.batch)
-            rows = profile_ops(get_model(name), inputs, target, model_spec(name).loss_fn(),
-                               precisions, repeats=args.repeats)
+            rows = profile(get_model(name), inputs, target, model_spec(name).loss_fn(),
+                           precisions, repeats=args.repeats)
             # several models share op names (conv1, fc): match their rows by kind and shape
             frames.append(rows.assign(op="") if len(args.model) > 1 else rows)
         casts = profile_casts(pairs, default_cast_sizes(), repeats=args.repeats)

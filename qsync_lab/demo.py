@@ -88,7 +88,7 @@ def _paper_scale(out: Path, name: str, cluster_name: str) -> None:
 
 
 def _on_this_machine(out: Path, steps: int) -> dict:
-    from qsync_lab.profile import (intra_op_threads, load_cost_model, profile_ops, run_metadata,
+    from qsync_lab.profile import (load_cost_model, profile_ops_concurrently, run_metadata,
                                    write_device_profile)
     from qsync_lab.resources import data_file
     from qsync_lab.runtime.launch import torchrun_command
@@ -104,12 +104,15 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     inputs, target = task.example(batch)
     _section(f"5. {name} on this machine: trace and profile (1 thread per rank)")
     graph = trace_graph(model, inputs, target=target, loss_fn=task.loss_fn())
-    with intra_op_threads(1):
-        rows = profile_ops(model, inputs, target, task.loss_fn(), PROFILE_PRECISIONS, repeats=5)
+    ranks = cluster.world_size
+    rows = profile_ops_concurrently(model, inputs, target, task.loss_fn(), PROFILE_PRECISIONS,
+                                    processes=ranks, threads=1, repeats=5)
     profile = out / "profile.csv"
-    write_device_profile(profile, [rows], run_metadata("cpu", threads=1))
-    print(f"{len(rows)} rows ({graph.num_ops} ops x {', '.join(PROFILE_PRECISIONS)} x phases) "
-          f"-> {profile}; casts and gloo allreduce from the shipped cpu.csv")
+    write_device_profile(profile, [rows], {**run_metadata("cpu", threads=1),
+                                           "concurrent_processes": str(ranks)})
+    print(f"{len(rows)} rows ({graph.num_ops} ops x {', '.join(PROFILE_PRECISIONS)} x phases, "
+          f"{ranks} processes at once as the ranks will run) -> {profile}; casts and gloo "
+          "allreduce from the shipped cpu.csv")
     _section("6. indicator, 7. allocation for a real V100 + T4 (catalog costs)")
     scores = indicator(model, graph, [task.example(batch)], loss_fn=task.loss_fn(),
                        precisions=("fp16", "int8"), num_batches=1)

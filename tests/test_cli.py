@@ -144,14 +144,19 @@ def test_plan_bad_memory_budget_is_one_line(capsys):
 
 
 def test_profile_writes_a_table_the_cost_model_reads(capsys, tmp_path):
+    from qsync_lab.costs import read_profile
     from qsync_lab.profile import load_cost_model, read_link_fits
 
     out = tmp_path / "cpu.csv"
     code, text, _ = run(capsys, "profile", "--model", "digits_mlp", "--batch", "4",
-                        "--precisions", "fp32,bf16", "--repeats", "2", "--out", str(out))
+                        "--precisions", "fp32,bf16", "--repeats", "2", "--processes", "2",
+                        "--out", str(out))
     assert code == 0 and f"wrote {out}" in text
     assert "loopback" in read_link_fits(out)
-    assert load_cost_model(out) is not None
+    rows = read_profile(out).frame
+    assert set(rows.loc[rows["op"] == "fc1", "precision"]) == {"fp32", "bf16"}
+    assert (rows.loc[rows["phase"] != "cast", "time_us"] > 0).all()
+    assert load_cost_model(out).profiles[0].source == "profile:cpu.csv"
 
 
 def test_profile_rejects_bad_numbers(capsys):
