@@ -2,8 +2,9 @@
 
 For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per rank):
 
-1. profile this machine with 1 intra-op thread (each of the 2 DDP ranks has one core):
-   every op of the three models in fp32, bf16 and int8 (:func:`qsync_lab.profile.profile_ops`),
+1. profile this machine as the 2 DDP ranks will run (2 processes at once, 1 intra-op thread
+   each): every op of the three models in fp32, bf16 and int8
+   (:func:`qsync_lab.profile.profile_ops_concurrently`),
    the runtime's casts (fitted per pair, R² printed) and gloo allreduces (α–β fitted);
    all written to ``data/profiles/cpu.csv``;
 2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime`` per case (SGD with
@@ -42,8 +43,8 @@ from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                               link_metadata, profile_allreduce, profile_casts, profile_ops,
-                               run_metadata, write_device_profile)
+                               link_metadata, profile_allreduce, profile_casts,
+                               profile_ops_concurrently, run_metadata, write_device_profile)
 from qsync_lab.runtime.launch import torchrun_command
 from qsync_lab.simulate import PLANNABLE_KINDS
 
@@ -78,8 +79,9 @@ def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
     frames = []
     for name, kwargs in tqdm(MODELS.items(), desc="profile models"):
         inputs, target = example_batch(name, batch_size, **kwargs)
-        rows = profile_ops(get_model(name, **kwargs), inputs, target,
-                           model_spec(name).loss_fn(), PRECISIONS, repeats=repeats)
+        rows = profile_ops_concurrently(get_model(name, **kwargs), inputs, target,
+                                        model_spec(name).loss_fn(), PRECISIONS, processes=2,
+                                        threads=THREADS, repeats=repeats)
         # one file for three models: FQNs ("conv1", "fc") collide across models, so the
         # rows match by (kind, shapes) only, which is model-independent
         frames.append(rows.assign(op=""))
