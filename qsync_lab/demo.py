@@ -113,9 +113,12 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     print(f"{len(rows)} rows ({graph.num_ops} ops x {', '.join(PROFILE_PRECISIONS)} x phases, "
           f"{ranks} processes at once as the ranks will run) -> {profile}; casts and gloo "
           "allreduce from the shipped cpu.csv")
-    _section("6. indicator, 7. allocation for a real V100 + T4 (catalog costs)")
+    _section("6. sensitivity indicator")
     scores = indicator(model, graph, [task.example(batch)], loss_fn=task.loss_fn(),
                        precisions=("fp16", "int8"), num_batches=1)
+    top = scores[("fp16", "omega")].sort_values(ascending=False).head(3)
+    print("most sensitive ops at fp16: " + ", ".join(top.index))
+    _section("7. allocation for a real V100 + T4 (catalog costs)")
     result = allocate_detailed(graph, cluster, CostModel(), scores)
     plan = result.plan.for_model(name, kwargs)
     plan.save(out / "plan.json")
