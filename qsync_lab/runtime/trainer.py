@@ -12,7 +12,8 @@
    share (:func:`~qsync_lab.runtime.sampler.loss_weight`), so DDP's average is the
    gradient of the global batch whatever the per-rank batch sizes;
 4. rank 0 appends one line per step to ``metrics.jsonl`` (every rank's step time and
-   memory, the global loss and throughput) and writes a checkpoint every
+   peak memory so far — CUDA's allocated peak, or the CPU process's peak RSS — the global
+   loss and throughput) and writes a checkpoint every
    ``checkpoint_every`` steps (:mod:`~qsync_lab.runtime.checkpoint`); with ``resume`` a
    run continues from the run folder's checkpoint, exactly (same data, RNG states and
    rounding streams), which is what a torchrun restart does after a worker dies;
@@ -20,9 +21,9 @@
    step time and peak tensor memory beside the simulator's prediction for the same plan
    (emulated kinds costed from the locally measured profile), and ``final.pt``.
 
-Memory: on CUDA ``max_memory_allocated``; on the CPU, torch.profiler memory events over
-the first ``MEMORY_STEPS`` steps of each attempt (the live tensor bytes' maximum); every
-step also records the process's peak resident set size.
+Peak tensor memory for the summary: on CUDA ``max_memory_allocated``; on the CPU,
+torch.profiler memory events over the model build and the first ``MEMORY_STEPS`` steps of
+each attempt (the live tensor bytes' maximum).
 """
 
 import hashlib
@@ -272,21 +273,28 @@ class _Run:
         return self._finish(step_times, memory.peak_bytes, start)
 
     def _log(self, log: MetricsLog | None, step: int, step_ms: float, loss: float) -> None:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-        mine = torch.tensor([step_ms, loss, float(rss)], dtype=torch.float64)
+        mine = torch.tensor([step_ms, loss, float(self._peak_memory_so_far())],
+                            dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine)  # gloo: CPU tensors; NCCL would need device tensors
+        dist.all_gather(gathered, mine)  # on the rank's device: NCCL gathers CUDA tensors
         if log is None:
             return
-        ranks = torch.stack(gathered)
+        ranks = torch.stack(gathered).cpu()
         slowest_ms = float(ranks[:, 0].max())
         global_loss = float(sum(b * ranks[r, 1] for r, b in enumerate(self.batch_sizes))
                             / sum(self.batch_sizes))
         log.write({"step": step, "loss": global_loss,
                    "step_ms": [round(float(t), 4) for t in ranks[:, 0]],
                    "throughput_samples_per_s": sum(self.batch_sizes) / (slowest_ms / 1e3),
-                   "max_rss_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
+                   "peak_memory_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
+                   "peak_memory_kind": "cuda_max_allocated" if self.cuda else "cpu_max_rss",
                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+
+    def _peak_memory_so_far(self) -> int:
+        """Bytes: CUDA's peak allocated tensor memory, or the CPU process's peak RSS."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
     def _write_rank_file(self) -> None:
         atomic_write_text(self.run_dir / "ranks" / f"rank{self.rank}.json",
