@@ -43,8 +43,9 @@ from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                               link_metadata, profile_allreduce, profile_casts,
-                               profile_ops_concurrently, run_metadata, write_device_profile)
+                               fit_step_overhead, intra_op_threads, link_metadata,
+                               profile_allreduce, profile_casts, profile_ops_concurrently,
+                               run_metadata, step_overhead_metadata, write_device_profile)
 from qsync_lab.runtime.launch import torchrun_command
 from qsync_lab.simulate import PLANNABLE_KINDS
 
@@ -91,7 +92,9 @@ def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
     link_name = load_cluster(CLUSTER).intra_node_links[0].name
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
                           link=link_name, source=f"profile:{path.name}")
-    metadata = {**run_metadata("cpu", threads=THREADS),
+    with intra_op_threads(THREADS):
+        overhead = fit_step_overhead(repeats=repeats)
+    metadata = {**run_metadata("cpu", threads=THREADS), **step_overhead_metadata(overhead),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo")}
     write_device_profile(path, [*frames, casts], metadata)
@@ -99,6 +102,8 @@ def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
              f"{THREADS} thread)", "cast fits (time_us = a*numel + b):"]
     lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
               f"R2={fit.r2:.4f}" for pair, fit in cast_fits.items()]
+    lines.append(f"step overhead fit (calibration MLPs): {overhead.intercept:.1f} us per step "
+                 f"{overhead.slope:+.2f} us per op event, R2={overhead.r2:.4f}")
     lines.append(f"allreduce fit ({link_name}, gloo, 2 ranks): alpha={link.link.latency_s * 1e6:.1f}"
                  f" us  beta={link.link.bandwidth_Bps / 1e9:.3f} GB/s  R2={link.line.r2:.4f}")
     return lines

@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="bert_base")
     demo.add_argument("--cluster", default="qsync-paper")
     demo.add_argument("--out", default="qsync_demo",
-                      help="folder for plans, traces, the profile and the run (default ./qsync_demo)")
+                      help="folder for plans, traces, the profile and the run "
+                      "(default ./qsync_demo)")
     demo.add_argument("--steps", type=int, default=30, help="training steps of the local run")
     demo.set_defaults(run=_cmd_demo)
     return parser
@@ -106,9 +107,10 @@ def _cmd_profile(args) -> None:
     from qsync_lab.models import example_batch, get_model, model_spec
     from qsync_lab.precision import Precision
     from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                                   intra_op_threads, link_metadata, profile_allreduce,
-                                   profile_casts, profile_ops, profile_ops_concurrently,
-                                   run_metadata, write_device_profile)
+                                   fit_step_overhead, intra_op_threads, link_metadata,
+                                   profile_allreduce, profile_casts, profile_ops,
+                                   profile_ops_concurrently, run_metadata,
+                                   step_overhead_metadata, write_device_profile)
 
     if min(args.batch, args.threads, args.repeats, args.processes) < 1:
         raise QSyncError("--batch, --threads, --repeats and --processes must be positive "
@@ -127,10 +129,11 @@ def _cmd_profile(args) -> None:
             # several models share op names (conv1, fc): match their rows by kind and shape
             frames.append(rows.assign(op="") if len(args.model) > 1 else rows)
         casts = profile_casts(pairs, default_cast_sizes(), repeats=args.repeats)
+        overhead = fit_step_overhead(repeats=args.repeats)
     allreduce = profile_allreduce(default_sizes(), repeats=args.repeats)
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
                           link="loopback")
-    metadata = {**run_metadata("cpu", threads=args.threads),
+    metadata = {**run_metadata("cpu", threads=args.threads), **step_overhead_metadata(overhead),
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in fit_casts(casts).items()}}
     write_device_profile(args.out, [*frames, casts], metadata)

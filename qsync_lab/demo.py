@@ -88,8 +88,9 @@ def _paper_scale(out: Path, name: str, cluster_name: str) -> None:
 
 
 def _on_this_machine(out: Path, steps: int) -> dict:
-    from qsync_lab.profile import (load_cost_model, profile_ops_concurrently, run_metadata,
-                                   write_device_profile)
+    from qsync_lab.profile import (fit_step_overhead, intra_op_threads, load_cost_model,
+                                   profile_ops_concurrently, run_metadata,
+                                   step_overhead_metadata, write_device_profile)
     from qsync_lab.resources import data_file
     from qsync_lab.runtime.launch import torchrun_command
     from qsync_lab.runtime.prediction import predict_plan
@@ -107,12 +108,16 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     ranks = cluster.world_size
     rows = profile_ops_concurrently(model, inputs, target, task.loss_fn(), PROFILE_PRECISIONS,
                                     processes=ranks, threads=1, repeats=5)
+    with intra_op_threads(1):
+        overhead = fit_step_overhead()
     profile = out / "profile.csv"
     write_device_profile(profile, [rows], {**run_metadata("cpu", threads=1),
+                                           **step_overhead_metadata(overhead),
                                            "concurrent_processes": str(ranks)})
     print(f"{len(rows)} rows ({graph.num_ops} ops x {', '.join(PROFILE_PRECISIONS)} x phases, "
-          f"{ranks} processes at once as the ranks will run) -> {profile}; casts and gloo "
-          "allreduce from the shipped cpu.csv")
+          f"{ranks} processes at once as the ranks will run) -> {profile}; step overhead "
+          f"{overhead.intercept:.0f} us + {overhead.slope:.1f} us per op event (fitted on "
+          "calibration MLPs); casts and gloo allreduce from the shipped cpu.csv")
     _section("6. sensitivity indicator")
     scores = indicator(model, graph, [task.example(batch)], loss_fn=task.loss_fn(),
                        precisions=("fp16", "int8"), num_batches=1)

@@ -48,6 +48,8 @@ __all__ = ["OPTIMIZER_STATES", "Cost", "CostModel", "optimizer_state_count"]
 OPTIMIZER_STATES: Mapping[str, int] = MappingProxyType(
     {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2})
 _CAST_KIND = "cast"
+#: profile metadata keys (and CostModel fields) of the step-overhead fit
+_OVERHEAD_KEYS = ("step_overhead_us", "event_overhead_us")
 _OPTIMIZER_KIND = "optimizer"
 
 
@@ -71,6 +73,11 @@ class CostModel:
         cast_fits: (device, src, dst) -> :class:`CastFit`.
         link_fits: link name -> measured :class:`LinkSpec` replacing the catalog's link of
             that name in allreduces (its ``source`` names the fit).
+        step_overhead_us: device name -> fixed cost per training step that isolated op
+            timings miss (:mod:`qsync_lab.profile.overhead`, a profile's
+            ``step_overhead_us`` metadata); one ``framework`` event per iteration.
+        event_overhead_us: device name -> the same fit's correction per measured op event
+            (may be negative; an event never drops below zero).
         casts_in_measured_ops: measured op times include the op's own casts (the runtime's
             ops cast their operands, and the profiler times them whole), so the simulator
             adds no cast events for a phase whose time is measured. False for tables of
@@ -82,6 +89,8 @@ class CostModel:
     profiles: tuple[ProfileTable, ...] = ()
     cast_fits: Mapping[tuple[str, Precision, Precision], CastFit] = field(default_factory=dict)
     link_fits: Mapping[str, LinkSpec] = field(default_factory=dict)
+    step_overhead_us: Mapping[str, float] = field(default_factory=dict)
+    event_overhead_us: Mapping[str, float] = field(default_factory=dict)
     casts_in_measured_ops: bool = True
 
     @classmethod
@@ -101,7 +110,12 @@ class CostModel:
         tables = tuple(read_profile(p) for p in paths)
         rooflines: dict[str, Roofline] = {}
         cast_fits: dict[tuple[str, Precision, Precision], CastFit] = {}
+        overheads: dict[str, dict[str, float]] = {key: {} for key in _OVERHEAD_KEYS}
         for table in tables:
+            for key in _OVERHEAD_KEYS:
+                if key in table.metadata and "device" in table.metadata:
+                    device_name = catalog.device(table.metadata["device"]).name
+                    overheads[key][device_name] = _metadata_number(table, key)
             ops = table.frame[table.frame["phase"] != "cast"]
             if calibrate:
                 for name in ops["device"].unique():
@@ -110,7 +124,8 @@ class CostModel:
                                                                   source=table.source)
             cast_fits.update(fit_cast_costs(table.frame, source=table.source))
         return cls(MappingProxyType(rooflines), profiles=tables,
-                   cast_fits=MappingProxyType(cast_fits))
+                   cast_fits=MappingProxyType(cast_fits),
+                   **{key: MappingProxyType(values) for key, values in overheads.items()})
 
     def emulating(self, alias: str, device: str) -> "CostModel":
         """This model with device ``alias`` costed exactly as ``device`` (measured rows,
@@ -121,7 +136,8 @@ class CostModel:
             >>> from qsync_lab.resources import data_file
             >>> measured = CostModel.from_profiles(data_file("profiles", "cpu.csv"))
             >>> t4 = load_catalog().device("T4")
-            >>> measured.roofline_for(t4).source, measured.emulating("T4", "cpu").roofline_for(t4).source
+            >>> emulated = measured.emulating("T4", "cpu")
+            >>> measured.roofline_for(t4).source, emulated.roofline_for(t4).source
             ('roofline', 'fit:profile:cpu.csv')
         """
         rooflines = dict(self.rooflines)
@@ -130,9 +146,16 @@ class CostModel:
         cast_fits = dict(self.cast_fits)
         cast_fits.update({(alias, src, dst): fit for (name, src, dst), fit in
                           self.cast_fits.items() if name == device})
+        overheads = {}
+        for key in _OVERHEAD_KEYS:
+            values = dict(getattr(self, key))
+            if device in values:
+                values[alias] = values[device]
+            overheads[key] = MappingProxyType(values)
         return dataclasses.replace(
             self, rooflines=MappingProxyType(rooflines), cast_fits=MappingProxyType(cast_fits),
-            profiles=tuple(table.aliased(alias, device) for table in self.profiles))
+            profiles=tuple(table.aliased(alias, device) for table in self.profiles),
+            **overheads)
 
     def roofline_for(self, device: DeviceSpec) -> Roofline:
         """The calibrated roofline of ``device``, else the default one."""
@@ -246,6 +269,16 @@ class CostModel:
         times = roofline.times_us(np.zeros(1), np.array([float(traffic)]), [_OPTIMIZER_KIND],
                                   device, [Precision.FP32])
         return Cost(float(times[0]), roofline.source)
+
+
+def _metadata_number(table: ProfileTable, key: str) -> float:
+    """The leading number of a ``key: <number>; ...`` metadata line."""
+    text = table.metadata[key].split(";", 1)[0].strip()
+    try:
+        return float(text)
+    except ValueError:
+        raise QSyncError(f"{table.source}: metadata {key!r} must start with a number, "
+                         f"got {table.metadata[key]!r}") from None
 
 
 def optimizer_state_count(optimizer: str) -> int:

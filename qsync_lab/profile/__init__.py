@@ -22,14 +22,16 @@ from qsync_lab.profile.casts import default_cast_sizes, fit_casts, profile_casts
 from qsync_lab.profile.concurrent import median_over_processes, profile_ops_concurrently
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import autograd_call_overhead_us, profile_ops
+from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
 from qsync_lab.profile.table import (link_metadata, load_cost_model, read_link_fits,
                                      write_device_profile)
 from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metadata
 
 __all__ = [
     "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "default_cast_sizes",
-    "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line", "intra_op_threads",
+    "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line", "fit_step_overhead",
+    "intra_op_threads",
     "link_metadata", "load_cost_model", "median_over_processes", "median_time_us",
     "profile_allreduce", "profile_casts", "profile_ops", "profile_ops_concurrently",
-    "read_link_fits", "run_metadata", "write_device_profile",
+    "read_link_fits", "run_metadata", "step_overhead_metadata", "write_device_profile",
 ]

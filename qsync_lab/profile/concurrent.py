@@ -18,6 +18,7 @@ Example::
 """
 
 import multiprocessing
+import queue
 from collections.abc import Sequence
 
 import pandas as pd
@@ -28,7 +29,7 @@ from qsync_lab.precision import Precision
 
 __all__ = ["median_over_processes", "profile_ops_concurrently"]
 
-_JOIN_TIMEOUT_S = 3600
+_POLL_S = 1.0
 
 
 def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, loss_fn: nn.Module,
@@ -48,10 +49,12 @@ def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, lo
     for worker in workers:
         worker.start()
     try:
-        frames = [results.get(timeout=_JOIN_TIMEOUT_S) for _ in workers]
+        frames = [_next_result(results, workers) for _ in workers]
     finally:
         for worker in workers:
-            worker.join(timeout=_JOIN_TIMEOUT_S)
+            worker.join(timeout=_POLL_S)
+            if worker.is_alive():
+                worker.kill()
     errors = [f for f in frames if isinstance(f, str)]
     if errors:
         raise QSyncError(f"a profiling process failed: {errors[0]}")
@@ -74,6 +77,19 @@ def median_over_processes(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
                .groupby(keys, sort=False, dropna=False)["time_us"].median().reset_index())
     return frames[0].drop(columns="time_us").merge(medians, on=keys, how="left")[
         list(frames[0].columns)]
+
+
+def _next_result(results, workers):
+    """The next worker result; QSyncError if a worker died without sending one."""
+    while True:
+        try:
+            return results.get(timeout=_POLL_S)
+        except queue.Empty:
+            dead = [w for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise QSyncError(f"a profiling process died (exit code {dead[0].exitcode}) "
+                                 "before sending its rows; run the profile in one process "
+                                 "to see its error") from None
 
 
 def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats, warmup,

@@ -31,7 +31,8 @@ class StreamEvents:
         op: event name: the op FQN, ``cast:<fqn>:...``, ``allreduce:bucket<k>`` or
             ``optimizer:<name>``.
         fqn: the graph op the event belongs to ("" for allreduces and the optimizer).
-        category: ``op``, ``cast``, ``allreduce`` or ``optimizer``.
+        category: ``op``, ``cast``, ``allreduce``, ``optimizer`` or ``framework`` (the
+            fitted per-step cost of a rank whose op times are measured).
         phase: ``forward``, ``backward_input``, ``backward_weight``, ``backward`` (a
             backward cast or an allreduce) or ``optimizer``.
         precision: the precision the event computes in (a cast: its target).

@@ -17,7 +17,10 @@ Order of events (one compute stream, so each starts when the previous one ends):
 View ops alias their input and produce no events. Ops with no work in a phase produce no
 event for it. A runtime op casts its own operands, so a time measured by the profiler
 (source ``profile:…``) already holds them: the casts of a phase whose op time is measured
-are not added again (unless ``CostModel.casts_in_measured_ops`` is False).
+are not added again (unless ``CostModel.casts_in_measured_ops`` is False). When the
+rank's op times are measured, the fitted framework costs apply: a ``framework`` event of
+``CostModel.step_overhead_us`` opens the iteration, and each measured op event gets
+``CostModel.event_overhead_us``.
 
 Example::
 
@@ -130,9 +133,16 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         times, sources = costs.op_times_us(work, precisions, device, batch_size=batch_size,
                                            phase=phase, plan_precisions=fwd)
         _, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
-        casts_inside = [costs.casts_in_measured_ops and s.startswith("profile:") for s in sources]
+        measured = np.array([s.startswith("profile:") for s in sources], bool)
+        times = np.where(measured & (times > 0), np.maximum(
+            times + costs.event_overhead_us.get(device.name, 0.0), 0.0), times)
+        casts_inside = measured & costs.casts_in_measured_ops
         timing[phase] = (times, sources, nbytes, casts_inside)
     build = _Builder()
+    step_overhead = costs.step_overhead_us.get(device.name, 0.0)
+    if step_overhead > 0 and any(timing["forward"][3]):
+        build.add("framework", "", "framework", "forward", "", "", step_overhead, 0.0,
+                  "fit:step overhead")
     input_casts = _forward(build, work, assignment, scale, timing["forward"])
     marks = _backward(build, work, assignment, scale, timing, input_casts)
     events = build.finish(costs, device)

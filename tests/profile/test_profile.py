@@ -78,3 +78,18 @@ def test_allreduce_measurement_runs_on_gloo():
     rows = profile_allreduce([1024, 65536], repeats=2, warmup=1)
     assert rows["bytes"].tolist() == [1024, 65536]
     assert (rows["time_us"] > 0).all()
+
+
+def test_a_dead_profiling_process_is_an_error_not_a_hang():
+    import queue
+    from types import SimpleNamespace
+
+    from qsync_lab.errors import QSyncError
+    from qsync_lab.profile.concurrent import _next_result
+
+    empty = queue.Queue()
+    with pytest.raises(QSyncError, match="died \\(exit code -9\\)"):
+        _next_result(empty, [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=-9)])
+    done = queue.Queue()
+    done.put((0, "rows"))
+    assert _next_result(done, [SimpleNamespace(exitcode=-9)]) == (0, "rows")

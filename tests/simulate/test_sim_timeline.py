@@ -111,6 +111,22 @@ def test_measured_op_times_hold_their_casts(graph, make_cluster, tmp_path):
     assert with_casts.iteration_us - sim.iteration_us == pytest.approx(6 * CAST_US)
 
 
+def test_fitted_step_overheads_apply_to_measured_ranks(graph, make_cluster, tmp_path):
+    rows = profile_rows(graph, {FAST: FAST_US, SLOW: SLOW_US})
+    write_profile(tmp_path / "plain.csv", rows)
+    write_profile(tmp_path / "fitted.csv", rows, {"device": SLOW, "step_overhead_us": "250; r2=1",
+                                                  "event_overhead_us": "-2.5; r2=1"})
+    cluster = make_cluster([SLOW])
+    plain, fitted = (simulate(graph, {}, cluster, CostModel.from_profiles(
+        tmp_path / f"{name}.csv", calibrate=False)) for name in ("plain", "fitted"))
+    events = _compute(fitted, 0)
+    framework = events.query("category == 'framework'")
+    assert framework["dur_us"].tolist() == [250.0] and framework["start_us"].tolist() == [0.0]
+    ops = (_compute(plain, 0)["category"] == "op").sum()
+    assert (events.query("category == 'op'")["dur_us"] == SLOW_US - 2.5).all()
+    assert fitted.iteration_us - plain.iteration_us == pytest.approx(250 - 2.5 * ops)
+
+
 def test_int8_ops_run_backward_in_fp16(graph, make_cluster, round_costs):
     sim = simulate(graph, {SLOW: {"2": "int8"}}, make_cluster([FAST, SLOW]), round_costs)
     events = _compute(sim, 1)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -51,13 +52,20 @@ def launch(plan: Path, run_dir: Path, *args: str, nproc: int = 2, max_restarts: 
     command = torchrun_command(str(plan), nproc, max_restarts=max_restarts, runtime_args=[
         "--run-dir", str(run_dir), "--threads", "1", *args], **torchrun)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if not wait:
+    if not wait:  # its own session: stop() ends torchrun and every worker it started
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     done = subprocess.run(command, env=env, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def stop(job: subprocess.Popen) -> None:
+    """Kill a launch started with ``wait=False`` and all its workers, if still running."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
 
 
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ from qsync_lab.runtime.checkpoint import load_checkpoint
 from qsync_lab.runtime.metrics import read_metrics
 from qsync_lab.runtime.sampler import UnevenBatchSampler
 from qsync_lab.runtime.tasks import load_task
-from tests.train.conftest import cluster_file, final_parameters, free_port, launch, write_plan
+from tests.train.conftest import (cluster_file, final_parameters, free_port, launch, stop,
+                                  write_plan)
 
 MLP_STEPS, LR, MOMENTUM = 8, 0.05, 0.9
 
@@ -96,7 +97,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_and_ends_identical(tmp_path
         os.kill(victim, signal.SIGKILL)
         output, _ = job.communicate(timeout=240)
     finally:
-        job.kill()
+        stop(job)
     assert job.returncode == 0, output[-3000:]
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(FAULT_STEPS))
@@ -129,7 +130,11 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", "10", nproc=1,
                     nnodes=2, rdzv_endpoint=endpoint, wait=False) for _ in range(2)]
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            stop(node)
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     summary = _read_json(tmp_path / "run" / "summary.json")
     assert summary["world_size"] == 2 and len({r["params_sha256"] for r in summary["ranks"]}) == 1

@@ -1,0 +1,77 @@
+"""What a training step costs beyond its ops timed alone, fitted on held-out models.
+
+An op timed alone (:func:`~qsync_lab.profile.profile_ops`) leaves out what a real
+training step adds: a fixed cost per step (``zero_grad``, entering the autograd engine,
+the loss call, the optimizer's per-step work) and a cost per op event (one forward,
+input-gradient or weight-gradient phase: the engine scheduling a backward node, minus
+what the isolated timing over-counts — measured slightly negative on this CPU). Both are
+fitted as a line: for a family of calibration MLPs of growing depth, the median measured
+step minus the sum of the model's profile rows, against the number of rows. The models
+are never the ones being predicted (held out), and nothing is pasted by hand.
+
+The fit travels in a profile's metadata (``step_overhead_us`` and ``event_overhead_us``),
+and the cost model applies it to the ranks whose op times are measured
+(:attr:`qsync_lab.costs.CostModel.step_overhead_us`, ``event_overhead_us``).
+
+Example::
+
+    >>> fit = fit_step_overhead(depths=(1, 4), width=8, repeats=3, warmup=1)
+    >>> fit.samples, sorted(step_overhead_metadata(fit))
+    (2, ['event_overhead_us', 'step_overhead_us'])
+"""
+
+import torch
+from torch import nn
+
+from qsync_lab.profile.fit import LineFit, fit_line
+from qsync_lab.profile.ops import profile_ops
+from qsync_lab.profile.timing import median_time_us
+
+__all__ = ["EVENT_OVERHEAD_KEY", "STEP_OVERHEAD_KEY", "fit_step_overhead",
+           "step_overhead_metadata"]
+
+EVENT_OVERHEAD_KEY = "event_overhead_us"
+STEP_OVERHEAD_KEY = "step_overhead_us"
+DEFAULT_DEPTHS = (2, 4, 8, 16)
+
+
+def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int = 16,
+                      repeats: int = 20, warmup: int = 3) -> LineFit:
+    """Fit ``step_us − Σ profile rows = slope·rows + intercept`` over calibration MLPs of
+    ``depths`` Linear+ReLU blocks (see the module docstring): ``slope`` is µs per op
+    event, ``intercept`` µs per step."""
+    events, residual_us = [], []
+    generator = torch.Generator().manual_seed(0)
+    for depth in depths:
+        torch.manual_seed(depth)
+        model = nn.Sequential(*[layer for _ in range(depth)
+                                for layer in (nn.Linear(width, width), nn.ReLU())])
+        inputs = torch.randn(batch_size, width, generator=generator)
+        target = torch.randn(batch_size, width, generator=generator)
+        loss_fn = nn.MSELoss()
+        rows = profile_ops(model, (inputs,), target, loss_fn, ["fp32"], repeats=repeats,
+                           warmup=warmup, progress=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step():
+            optimizer.zero_grad()
+            loss_fn(model(inputs), target).backward()
+            optimizer.step()
+
+        step_us = median_time_us(step, repeats=repeats, warmup=warmup)
+        events.append(len(rows))
+        residual_us.append(step_us - float(rows["time_us"].sum()))
+    return fit_line(events, residual_us)
+
+
+def step_overhead_metadata(fit: LineFit) -> dict[str, str]:
+    """The profile metadata lines of ``fit``.
+
+    Example::
+
+        >>> step_overhead_metadata(LineFit(-2.5, 240.0, 0.99, 4))["step_overhead_us"]
+        '240.000; r2=0.9900; samples=4'
+    """
+    tail = f"; r2={fit.r2:.4f}; samples={fit.samples}"
+    return {STEP_OVERHEAD_KEY: f"{fit.intercept:.3f}{tail}",
+            EVENT_OVERHEAD_KEY: f"{fit.slope:.3f}{tail}"}
