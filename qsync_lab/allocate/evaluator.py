@@ -38,8 +38,9 @@ import numpy as np
 from qsync_lab.cluster import Cluster
 from qsync_lab.costs import CostModel
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import (ComputeTimeline, PreparedGraph, compute_timeline,
-                                memory_breakdown, resolve_precisions, simulate, validate_plan)
+from qsync_lab.simulate import (ComputeTimeline, PreparedGraph, buffer_broadcast,
+                                compute_timeline, memory_breakdown, resolve_precisions,
+                                simulate, validate_plan)
 
 __all__ = ["PlanEvaluator", "Proposal"]
 
@@ -91,6 +92,7 @@ class PlanEvaluator:
         self.devices = {name: cluster.catalog.device(name) for name in cluster.device_kinds}
         self.classes = tuple(sorted({(r.device, r.batch_size) for r in cluster.ranks},
                                     key=lambda c: (cluster.device_kinds.index(c[0]), c[1])))
+        self._broadcast = buffer_broadcast(prepared, cluster, costs)
         reference = simulate(prepared, named, cluster, costs, optimizer=optimizer)
         self._allreduce_us = reference.comm.dur_us.tolist()
         self._optimizer_us = [float(stream.dur_us[-1]) for stream in reference.compute]
@@ -169,14 +171,16 @@ class PlanEvaluator:
         device = self.devices[kind]
         work = self.prepared.work
         assignment = resolve_precisions(work, {}, device)
-        lines = {batch: compute_timeline(work, assignment, self.costs, device, batch_size=batch)
+        lines = {batch: compute_timeline(work, assignment, self.costs, device, batch_size=batch,
+                                         broadcast=self._broadcast)
                  for batch in {b for _, b in self.classes}}
         return self._iteration_us([lines[batch] for _, batch in self.classes])
 
     def _class(self, kind: str, batch: int, plan: KindState) -> tuple[ComputeTimeline, float]:
         work, device = self.prepared.work, self.devices[kind]
         assignment = resolve_precisions(work, plan, device)
-        line = compute_timeline(work, assignment, self.costs, device, batch_size=batch)
+        line = compute_timeline(work, assignment, self.costs, device, batch_size=batch,
+                                broadcast=self._broadcast)
         memory = memory_breakdown(work, self.prepared.graph.params, assignment, batch_size=batch,
                                   optimizer=self.optimizer, bucket_bytes=self._bucket_bytes)
         return line, float(sum(memory.values()))

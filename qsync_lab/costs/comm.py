@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from qsync_lab.devices import US_PER_SECOND, LinkSpec
 from qsync_lab.errors import QSyncError
 
-__all__ = ["ring_allreduce_us", "ring_wire_bytes", "slowest_link"]
+__all__ = ["broadcast_us", "ring_allreduce_us", "ring_wire_bytes", "slowest_link"]
 
 
 def ring_wire_bytes(nbytes: float, ranks: int) -> float:
@@ -45,6 +45,22 @@ def slowest_link(links: Sequence[LinkSpec]) -> LinkSpec:
     narrowest = min(links, key=lambda link: link.bandwidth_Bps)
     latency_s = max(link.latency_s for link in links)
     return LinkSpec(narrowest.name, narrowest.bandwidth_Bps, latency_s, narrowest.source)
+
+
+def broadcast_us(nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> float:
+    """Pipelined chain broadcast of ``nbytes`` from one rank to ``ranks - 1`` others: one
+    latency per hop, the bytes once over the slowest link.
+
+    Example::
+
+        >>> from qsync_lab.devices import LinkSpec
+        >>> broadcast_us(1e6, 2, [LinkSpec("l", 1e9, 100e-6, "x")])   # 100 us + 1 MB at 1 GB/s
+        1100.0
+    """
+    if ranks == 1 or nbytes == 0:
+        return 0.0
+    link = slowest_link(links)
+    return ((ranks - 1) * link.latency_s + nbytes / link.bandwidth_Bps) * US_PER_SECOND
 
 
 def ring_allreduce_us(nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> float:

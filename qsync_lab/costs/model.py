@@ -34,7 +34,7 @@ from types import MappingProxyType
 import numpy as np
 
 from qsync_lab.costs.calibrate import CastFit, calibrate_efficiency, fit_cast_costs
-from qsync_lab.costs.comm import ring_allreduce_us, slowest_link
+from qsync_lab.costs.comm import broadcast_us, ring_allreduce_us, slowest_link
 from qsync_lab.costs.profiles import ProfileTable, read_profile
 from qsync_lab.costs.roofline import Roofline, default_roofline
 from qsync_lab.costs.work import OpWork, phase_work, shape_key
@@ -251,6 +251,19 @@ class CostModel:
         fitted = any(link.name in self.link_fits for link in links)
         return Cost(ring_allreduce_us(nbytes, ranks, links),
                     f"alpha-beta:{slowest.name}" + (f" ({slowest.source})" if fitted else ""))
+
+    def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
+        """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the
+        slowest of ``links`` (measured link fits replace catalog links, as for allreduces).
+
+        Example::
+
+            >>> link = load_catalog().link("eth_100g")
+            >>> CostModel().broadcast_time_us(1.25e6, 2, [link])   # 20 us + 1.25 MB at 12.5 GB/s
+            Cost(us=120.0, source='alpha-beta:eth_100g')
+        """
+        links = [self.link_fits.get(link.name, link) for link in links]
+        return Cost(broadcast_us(nbytes, ranks, links), f"alpha-beta:{slowest_link(links).name}")
 
     def optimizer_time_us(self, param_bytes: float, optimizer: str, device: DeviceSpec) -> Cost:
         """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound:

@@ -54,6 +54,8 @@ class OpGraph:
         traced_with: ``"fx"`` or ``"hooks"``.
         saved_bytes_by_device: bytes autograd keeps for backward, per device type (see
             :meth:`saved_activation_bytes`).
+        buffer_bytes: bytes of the model's buffers (BatchNorm statistics, position ids),
+            which DDP broadcasts from rank 0 before every forward.
 
     The per-op ``saved_bytes`` column follows CUDA's kernels.
     """
@@ -63,6 +65,7 @@ class OpGraph:
     params: pd.DataFrame
     traced_with: str
     saved_bytes_by_device: dict[str, int]
+    buffer_bytes: int = 0
 
     def saved_activation_bytes(self, device_type: str = "cuda") -> int:
         """Bytes autograd keeps for backward in one training step on ``device_type``
@@ -234,7 +237,8 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
     edges = pd.DataFrame([(src, dst) for dst, row in ops.iterrows() for src in row["inputs"]],
                          columns=["src", "dst"])
     saved = {device: _saved_activation_bytes(records, device) for device in ("cuda", "cpu")}
-    return OpGraph(ops, edges, _param_table(model, records), traced_with, saved)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return OpGraph(ops, edges, _param_table(model, records), traced_with, saved, buffer_bytes)
 
 
 def _depths(records: list[OpRecord]) -> dict[str, int]:

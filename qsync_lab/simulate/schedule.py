@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qsync_lab.costs import CostModel, OpWork, batch_scales, phase_work
+from qsync_lab.costs import Cost, CostModel, OpWork, batch_scales, phase_work
 from qsync_lab.devices import DeviceSpec
 from qsync_lab.precision import Precision
 from qsync_lab.simulate.events import StreamEvents
@@ -115,7 +115,8 @@ class _Builder:
 
 
 def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostModel,
-                     device: DeviceSpec, *, batch_size: int) -> ComputeTimeline:
+                     device: DeviceSpec, *, batch_size: int,
+                     broadcast: Cost | None = None) -> ComputeTimeline:
     """Build the compute stream of one rank class (see the module docstring).
 
     Args:
@@ -124,6 +125,8 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         costs: the cost model.
         device: the device kind.
         batch_size: the per-rank batch size.
+        broadcast: DDP's broadcast of the buffers from rank 0, which the forward waits for
+            (a first ``ddp:broadcast_buffers`` event); None on one rank or without buffers.
     """
     scale = batch_scales(work, batch_size)
     fwd, bwd = assignment.precision, assignment.backward
@@ -139,6 +142,9 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         casts_inside = measured & costs.casts_in_measured_ops
         timing[phase] = (times, sources, nbytes, casts_inside)
     build = _Builder()
+    if broadcast is not None and broadcast.us > 0:
+        build.add("ddp:broadcast_buffers", "", "broadcast", "forward", "", "", broadcast.us, 0.0,
+                  broadcast.source)
     step_overhead = costs.step_overhead_us.get(device.name, 0.0)
     if step_overhead > 0 and any(timing["forward"][3]):
         build.add("framework", "", "framework", "forward", "", "", step_overhead, 0.0,

@@ -3,7 +3,9 @@
 Per rank there is a compute stream and a communication stream:
 
 1. The compute stream runs forward, casts and backward back to back
-   (:mod:`qsync_lab.simulate.schedule`).
+   (:mod:`qsync_lab.simulate.schedule`); on several ranks it first waits for DDP's
+   broadcast of the model's buffers from rank 0 (``broadcast_buffers=True``, DDP's
+   default; :func:`buffer_broadcast`).
 2. The communication stream runs one ring allreduce per DDP gradient bucket, in DDP's
    steady-state bucket order (:func:`qsync_lab.graph.ddp_buckets`). Bucket ``k`` starts
    once *every* rank has produced all of its gradients and allreduce ``k-1`` has ended, so
@@ -80,8 +82,10 @@ def simulate(graph: "OpGraph | PreparedGraph", plan: Mapping[str, KindPlan], clu
                      key=lambda c: (cluster.device_kinds.index(c[0]), c[1]))
     assignments = {name: resolve_precisions(work, planned, devices[name])
                    for name, planned in kinds.items()}
+    broadcast = buffer_broadcast(prepared, cluster, costs)
     timelines = [compute_timeline(work, assignments[name], costs, devices[name],
-                                  batch_size=batch) for name, batch in classes]
+                                  batch_size=batch, broadcast=broadcast)
+                 for name, batch in classes]
     comm = _allreduce_stream(prepared, timelines, costs, cluster)
     comm_end_us = float(comm.end_us[-1]) if len(comm) else 0.0
     compute = tuple(
@@ -123,6 +127,15 @@ def _prepared(graph: "OpGraph | PreparedGraph", bucket_cap_mb: float | None) -> 
                          f"{graph.bucket_cap_mb}, not {bucket_cap_mb}; prepare it again "
                          "with that cap or leave bucket_cap_mb out")
     return graph
+
+
+def buffer_broadcast(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> Cost | None:
+    """DDP's broadcast of the model's buffers from rank 0 before every forward (its default
+    ``broadcast_buffers=True``); None on one rank or for a model without buffers."""
+    if cluster.world_size == 1 or not prepared.graph.buffer_bytes:
+        return None
+    return costs.broadcast_time_us(prepared.graph.buffer_bytes, cluster.world_size,
+                                   _ring_links(cluster))
 
 
 def _allreduce_stream(prepared: PreparedGraph, timelines: list[ComputeTimeline],

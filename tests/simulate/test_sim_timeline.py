@@ -178,3 +178,19 @@ def test_prepared_graph_gives_the_same_result(graph, make_cluster, round_costs):
     prepared = simulate(prepare_graph(graph), {SLOW: {"2": "fp16"}}, cluster, round_costs)
     assert direct.iteration_us == prepared.iteration_us
     assert direct.events.equals(prepared.events)
+
+
+def test_ddp_broadcasts_the_buffers_before_every_forward(make_cluster):
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    graph = trace_graph(model, torch.randn(4, 8))
+    # running_mean, running_var (16 fp32 each) and num_batches_tracked (one int64)
+    assert graph.buffer_bytes == 2 * 16 * 4 + 8
+    costs = CostModel()
+    cluster = make_cluster([FAST, SLOW])
+    two = simulate(graph, {}, cluster, costs)
+    first = two.rank_events(1).query("stream == 'compute'").iloc[0]
+    expected = costs.broadcast_time_us(graph.buffer_bytes, 2, cluster.intra_node_links).us
+    assert (first["op"], first["start_us"]) == ("ddp:broadcast_buffers", 0.0)
+    assert first["dur_us"] == pytest.approx(expected) and expected > 0
+    one = simulate(graph, {}, make_cluster([SLOW]), costs)
+    assert "ddp:broadcast_buffers" not in set(one.events["op"])
