@@ -1,8 +1,8 @@
 """The strategies QSync compares against, with :func:`~qsync_lab.allocate.allocate`'s interface.
 
 * :func:`uniform_low_precision`: every candidate op of each kind that cannot keep up in
-  its narrowest precision (QSync's ``--tbitwidth 8``: linear/conv int8, matmul and
-  embedding fp16); the other kinds fp32.
+  its narrowest precision (QSync's ``--tbitwidth 8``: linear/conv int8, matmul,
+  embedding and the norms the indicator scores fp16); the other kinds fp32.
 * :func:`dynamic_batching`: everything fp32; per-rank batch proportional to the rank's
   fp32 speed, the global batch fixed (QSync's ``DBFixedSampler``).
 * :func:`joint_batch_precision`: beyond QSync, a search over batch splits between the

@@ -16,6 +16,10 @@ For a tensor ``v`` rounded to a precision, :func:`noise_energy` returns E‖Q(v)
   are not modelled).
 * **fp32**: no error.
 
+:func:`noise_variance` gives the same expectation per element (its sum is
+:func:`noise_energy`), for weighting each element's rounding error by how much it is
+amplified downstream (the norm ops' per-channel ``γ/σ``).
+
 Example::
 
     >>> import math, torch
@@ -102,6 +106,35 @@ def operand_noise(v: torch.Tensor, precisions, rounding: str = "nearest") -> dic
             out[p] = _ulp_energy(*_binade_histogram(v / scale, nonzero),
                                  FLOAT_FORMATS[p]) * scale * scale
     return out
+
+
+def noise_variance(v: torch.Tensor, precision: "Precision | str",
+                   rounding: str = "nearest") -> torch.Tensor:
+    """Per element, the expected squared rounding error of rounding ``v`` to ``precision``
+    (fp32 tensor of ``v``'s shape; its sum is :func:`noise_energy`).
+
+    Example::
+
+        >>> v = torch.tensor([1.0, 3.0, 0.0])
+        >>> noise_variance(v, "fp16") * 12 * 2.0 ** 20
+        tensor([1., 4., 0.])
+    """
+    if rounding not in ROUNDING_VARIANCE:
+        raise QSyncError(f"unknown rounding {rounding!r}; choose nearest or stochastic")
+    p = Precision.parse(precision)
+    v = v.detach().float()
+    amax = v.abs().max().item() if v.numel() else 0.0
+    if p is Precision.FP32 or amax == 0:
+        return torch.zeros_like(v)
+    nonzero = (v != 0).float()
+    if p is Precision.INT8:
+        step = amax / 127
+        return ROUNDING_VARIANCE[rounding] * step * step * nonzero
+    fmt = FLOAT_FORMATS[p]
+    scale = 1.0 if fmt.scaled_max is None else amax / fmt.scaled_max
+    biased = (((v / scale).contiguous().view(torch.int32) >> 23) & 0xFF).float()
+    steps = (biased - _FP32_BIAS).clamp(min=fmt.min_exponent) - fmt.man_bits
+    return torch.exp2(2 * steps) / 12 * (scale * scale) * nonzero
 
 
 _FP32_BIAS = 127

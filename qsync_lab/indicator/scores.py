@@ -18,6 +18,36 @@ to first order the error energy of the result is
   ``P/(D_g·D_b)·(E‖ε_G‖²·‖B‖² + E‖ε_B‖²·‖G‖²)``; ``V_b`` is their sum.
   An op without weights (matmul) is scored from both of its operands this way.
 * embedding (a row gather): ``V_f = E‖ε_W‖²·D_out/D_W``, ``V_b = E‖ε_G‖²``.
+* normalisation ops (batch, layer, group, RMS norm). A planned norm keeps fp32 math and
+  fp32 γ, β but reads and writes fp16/bf16: its input ``x`` and output ``y`` are rounded
+  forward, the output gradient ``G`` and the input gradient ``dx`` backward
+  (:class:`~qsync_lab.runtime.modules.PrecisionBoundary`). Per normalised group (a channel
+  over batch and space for BatchNorm, a row for LayerNorm) ``y = γ·(x − μ)/σ + β``; to
+  first order an input error ``ε_x`` moves ``y`` by ``(γ/σ)·ε_x`` (the error's own effect
+  on ``μ`` and ``σ`` is a projection onto two of the group's many directions, dropped),
+  so, summing the independent errors element by element,
+
+      V_f = Σ (γ/σ)²·E[ε_x²] + E‖ε_y‖²
+
+  with ``E[ε²]`` each element's rounding variance measured on the actual tensors
+  (:func:`~qsync_lab.indicator.formats.noise_variance`; the output term is
+  :func:`~qsync_lab.indicator.formats.operand_noise` of ``y``). Backward,
+  ``dx = (γ/σ)·(G − mean G − x̂·mean(G·x̂))`` carries ``ε_G`` the same way, and the
+  rounding of ``dx`` adds its own energy; the parameter gradients ``dγ = Σ G·x̂`` and
+  ``dβ = Σ G`` get ``Σ x̂²·E[ε_G²] + Σ G⊥²·E[ε_x²]/σ²`` and ``Σ E[ε_G²]`` (``G⊥``: ``G``
+  projected as in ``dx`` for a BatchNorm, whose ``dγ`` sums the whole normalised group;
+  ``G`` itself for the other norms). The saved input is the rounded one too, and with
+  batch statistics ``dx`` moves by ``−ε_x/σ²·mean(γG·x̂)``:
+
+      V_b = Σ (γ/σ)²·E[ε_G²] + E‖ε_dx‖² + Σ E[ε_x²]·(mean(γG·x̂)/σ²)²
+            + E‖ΔdΓ‖² + E‖ΔdΒ‖²
+
+  (the ``dx`` terms only when the input needs a gradient). ``σ`` is the batch statistics'
+  (calibration runs in training mode) or the running variance's for a BatchNorm in eval
+  mode. These are error energies of the same outputs and gradients as the bilinear
+  terms, so a norm's ω and fisher compare with a conv's. The policy lets norms take only
+  floats of at least 16 bits: int8 and fp8 are NaN (no choice for the allocator), tf32
+  and fp32 round nothing (0).
 
 The rounding energies ``E‖ε‖²`` are measured per operand and precision
 (:mod:`qsync_lab.indicator.formats`): int8 from its step size (the variance constant follows
@@ -47,7 +77,7 @@ import torch.nn as nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.indicator.formats import BACKWARD_PRECISION
-from qsync_lab.indicator.statistics import collect_statistics
+from qsync_lab.indicator.statistics import NORM_KINDS, collect_statistics
 from qsync_lab.precision import Precision
 
 TERMS = ("V_f", "V_b", "omega", "fisher")
@@ -57,7 +87,7 @@ def indicator(model: nn.Module, graph, batches: Iterable, *,
               loss_fn: nn.Module, precisions: Sequence["Precision | str"] = tuple(Precision),
               gamma: float = 4.0, rounding: str = "nearest", num_batches: int = 10,
               seed: int = 0, progress: bool = True) -> pd.DataFrame:
-    """Score every linear, conv, matmul and embedding op of ``model`` per precision.
+    """Score every linear, conv, matmul, embedding and norm op of ``model`` per precision.
 
     Args:
         model: the fp32 model; left unchanged (no optimizer step, buffers restored).
@@ -149,4 +179,15 @@ def _terms(stats: pd.DataFrame, p: Precision, needs_input_grad: np.ndarray):
     embedding = (stats["kind"] == "embedding").to_numpy()
     v_f = np.where(embedding, e_b * n_g / n_b, v_f)
     v_b = np.where(embedding, e_g, v_b)
+    norm = stats["kind"].isin(NORM_KINDS).to_numpy()
+    if norm.any():
+        q = BACKWARD_PRECISION[p]
+        nan = lambda name: (col(name) if name in stats  # noqa: E731
+                            else np.full(len(stats), np.nan))
+        norm_f = nan(f"noise_as[{p}]") + nan(f"noise_y[{p}]")
+        norm_b = (nan(f"noise_gs[{q}]") + nan(f"noise_wgrad[{p}]")
+                  + np.where(needs_input_grad,
+                             nan(f"noise_dx[{q}]") + nan(f"noise_dxsaved[{p}]"), 0.0))
+        v_f = np.where(norm, norm_f, v_f)
+        v_b = np.where(norm, norm_b, v_b)
     return v_f, v_b

@@ -8,6 +8,20 @@ or the second activation of a matmul) and ``numel_g`` (the output gradient); squ
 rounding-noise energy of each operand per precision, ``noise_a[p]``, ``noise_b[p]``,
 ``noise_g[p]`` (see :mod:`qsync_lab.indicator.formats`).
 
+Normalisation ops of plannable kinds (:data:`NORM_KINDS`: batch, layer, group and RMS
+norm) get rows too, with ``macs = 0``, the activation input as operand ``a``, their affine
+parameters as ``b`` (never rounded: ``noise_b = 0``) and the extra terms the norm score of
+:mod:`qsync_lab.indicator.scores` needs, each per precision the policy lets a norm take
+(floats of at least 16 bits; the others are NaN; tf32 and fp32 round nothing and give 0):
+``noise_as[p]`` = Σ (γ/σ)²·E[ε_x²] (the input's rounding carried through the
+normalisation), ``noise_y[p]`` = E‖ε_y‖² of the output, and backward, per gradient format
+``q``, ``noise_gs[q]`` = Σ (γ/σ)²·E[ε_G²], ``noise_dx[q]`` = E‖ε_dx‖² of the input gradient
+(computed from the norm's backward formula) and, per forward precision,
+``noise_dxsaved[p]``, what the saved input's rounding does to ``dx``, and
+``noise_wgrad[p]``, the error energy of the γ and β gradients. ``σ`` is the batch
+statistics' (training mode, as calibration runs) or the running variance's (a BatchNorm in
+eval mode).
+
 The model runs in fp32, forward and backward, with no optimizer step; its parameters,
 buffers, gradients and train/eval flags are left exactly as they were, and the global RNG
 state too (dropout draws come from ``seed``).
@@ -22,11 +36,20 @@ from tqdm.auto import tqdm
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph.kinds import module_kind
-from qsync_lab.indicator.formats import BACKWARD_PRECISION, operand_noise
+from qsync_lab.indicator.formats import BACKWARD_PRECISION, noise_variance, operand_noise
 from qsync_lab.modelstate import preserved_state
 from qsync_lab.precision import Precision
 
 SCORED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul", "embedding"})
+#: normalisation kinds the indicator scores too (fp16/bf16 I/O, fp32 math at run time)
+NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm"})
+#: precisions whose I/O rounding a norm's boundary applies (tf32 and fp32 leave it alone)
+_ROUNDING_FLOATS = frozenset({Precision.FP16, Precision.BF16})
+
+
+def norm_allows(precision: Precision) -> bool:
+    """Whether the policy lets a norm op run in ``precision`` (floats of >= 16 bits)."""
+    return precision.is_float and precision.bits >= 16
 
 
 def collect_statistics(model: nn.Module, batches: Iterable, loss_fn: nn.Module, *,
@@ -106,6 +129,10 @@ class _Recorder:
                 handles.append(module.register_forward_hook(
                     lambda m, args, out, fqn=fqn, kind=kind: self._forward(fqn, kind, m, args,
                                                                            out)))
+            elif kind in NORM_KINDS:
+                handles.append(module.register_forward_hook(
+                    lambda m, args, out, fqn=fqn, kind=kind: self._norm_forward(
+                        fqn, kind, m, args, out)))
         if not handles:
             raise QSyncError(f"{type(self.model).__name__} has no linear, conv, matmul or "
                              "embedding modules to score")
@@ -129,10 +156,13 @@ class _Recorder:
                                      if p.grad is not None)
         return self.rows
 
-    def _forward(self, fqn, kind, module, args, out) -> None:
+    def _name(self, fqn: str) -> str:
         count = self.calls.get(fqn, 0)
         self.calls[fqn] = count + 1
-        name = fqn if count == 0 else f"{fqn}@{count}"
+        return fqn if count == 0 else f"{fqn}@{count}"
+
+    def _forward(self, fqn, kind, module, args, out) -> None:
+        name = self._name(fqn)
         with torch.no_grad():
             a, b = _operands(kind, module, args)
             row = {"op": name, "kind": kind, "macs": _macs(kind, a, b, out),
@@ -158,6 +188,133 @@ class _Recorder:
 
     def _operand_stats(self, role: str, t: torch.Tensor) -> dict[str, float]:
         return _stats(role, t, self.precisions, self.rounding)
+
+    def _norm_forward(self, fqn, kind, module, args, out) -> None:
+        """A norm's row: its input's rounding weighted by (γ/σ)², its output's rounding."""
+        name = self._name(fqn)
+        x = args[0]
+        if not isinstance(out, torch.Tensor) or not x.is_floating_point():
+            return
+        params = [p for p in module.parameters(recurse=False)]
+        allowed = [p for p in self.precisions if norm_allows(p)]
+        with torch.no_grad():
+            geo = _NormGeometry(kind, module, x)
+            row = {"op": name, "kind": kind, "macs": 0, "numel_a": x.numel(),
+                   "numel_b": sum(p.numel() for p in params),
+                   "numel_g": out.numel(), "sumsq_b": sum(_sumsq(p) for p in params),
+                   **{f"noise_b[{p}]": 0.0 for p in self.precisions}, "_module": module}
+            row.update(self._operand_stats("a", x))
+            y_noise = operand_noise(out, allowed)
+            for p in self.precisions:
+                if not norm_allows(p):
+                    row[f"noise_as[{p}]"] = row[f"noise_y[{p}]"] = float("nan")
+                elif p in _ROUNDING_FLOATS:
+                    row[f"noise_as[{p}]"] = _dot(geo.scale2, noise_variance(geo.x2d, p))
+                    row[f"noise_y[{p}]"] = y_noise[p]
+                else:
+                    row[f"noise_as[{p}]"] = row[f"noise_y[{p}]"] = 0.0
+        self.rows.append(row)
+        if out.requires_grad:
+            out.register_hook(lambda g, row=row, geo=geo: self._norm_backward(row, geo, g))
+
+    def _norm_backward(self, row: dict, geo: "_NormGeometry", grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            row.update(_stats("g", grad, self.grad_formats, "nearest"))
+            g2d = geo.to2d(grad.float())
+            scaled = g2d * geo.gamma
+            dx = geo.project(scaled) / geo.sigma
+            g_var = {}
+            for q in self.grad_formats:
+                if q in _ROUNDING_FLOATS:
+                    g_var[q] = noise_variance(g2d, q)
+                    row[f"noise_gs[{q}]"] = _dot(geo.scale2, g_var[q])
+                    row[f"noise_dx[{q}]"] = float(noise_variance(dx, q).double().sum())
+                else:
+                    row[f"noise_gs[{q}]"] = row[f"noise_dx[{q}]"] = 0.0
+            # the saved input's rounding: dx moves by -ε_x/σ²·mean(γG·x̂) (batch statistics),
+            # dγ by Σ G·δx̂ (for BatchNorm G projected as dx projects it: δx̂ = P·ε_x/σ)
+            if geo.batch_stats:
+                dx_weight = ((scaled * geo.xhat).mean(1, keepdim=True)
+                             / geo.sigma.square()).square().expand_as(geo.x2d)
+            else:
+                dx_weight = torch.zeros(1, 1).expand_as(geo.x2d)
+            g_seen = geo.project(g2d) if geo.kind == "batch_norm" else g2d
+            dgamma_weight = g_seen.square() / geo.sigma.square()
+            for p in self.precisions:
+                q = BACKWARD_PRECISION[p]
+                if not norm_allows(p):
+                    row[f"noise_dxsaved[{p}]"] = row[f"noise_wgrad[{p}]"] = float("nan")
+                    continue
+                x_var = noise_variance(geo.x2d, p) if p in _ROUNDING_FLOATS else None
+                row[f"noise_dxsaved[{p}]"] = _dot(dx_weight, x_var) if x_var is not None else 0.0
+                total = 0.0
+                if geo.has_weight:  # dγ = Σ G·x̂
+                    if q in g_var:
+                        total += _dot(geo.xhat.square(), g_var[q])
+                    if x_var is not None:
+                        total += _dot(dgamma_weight, x_var)
+                if geo.has_bias and q in g_var:  # dβ = Σ G
+                    total += float(g_var[q].double().sum())
+                row[f"noise_wgrad[{p}]"] = total
+
+
+class _NormGeometry:
+    """A norm's input as a 2-D ``(groups, elements)`` view (each row normalised on its own),
+    with its ``σ`` per row, ``x̂``, ``γ`` per element and ``(γ/σ)²``."""
+
+    def __init__(self, kind: str, module: nn.Module, x: torch.Tensor) -> None:
+        weight = getattr(module, "weight", None)
+        bias = getattr(module, "bias", None)
+        self.has_weight = isinstance(weight, torch.Tensor)
+        self.has_bias = isinstance(bias, torch.Tensor)
+        shape = x.shape
+        eps = getattr(module, "eps", None)
+        self.kind = kind
+        self.centered = kind != "rms_norm"
+        self.batch_stats = True
+        if kind == "batch_norm":
+            channels = shape[1]
+            self.to2d = lambda t: t.transpose(0, 1).reshape(channels, -1)
+            gamma = weight.detach().float()[:, None] if self.has_weight else None
+            self.batch_stats = module.training or module.running_var is None
+        elif kind == "group_norm":
+            groups = shape[0] * module.num_groups
+            self.to2d = lambda t: t.reshape(groups, -1)
+            gamma = (self.to2d(weight.detach().float().view(1, -1, *[1] * (x.dim() - 2))
+                               .expand(shape)) if self.has_weight else None)
+        else:  # layer_norm, rms_norm: the trailing normalized_shape
+            size = 1
+            for d in module.normalized_shape:
+                size *= d
+            self.to2d = lambda t: t.reshape(-1, size)
+            gamma = weight.detach().float().reshape(1, -1) if self.has_weight else None
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+        self.x2d = self.to2d(x.detach().float()).clone()
+        if self.batch_stats:
+            mean = self.x2d.mean(1, keepdim=True) if self.centered else 0.0
+            var = (self.x2d - mean).square().mean(1, keepdim=True)
+        else:
+            mean = module.running_mean.detach().float()[:, None]
+            var = module.running_var.detach().float()[:, None]
+        self.sigma = torch.sqrt(var + eps)
+        self.xhat = (self.x2d - mean) / self.sigma
+        self.gamma = gamma if gamma is not None else torch.ones(1, 1)
+        self.scale2 = (self.gamma / self.sigma).square().expand_as(self.x2d)
+
+    def project(self, g: torch.Tensor) -> torch.Tensor:
+        """``g`` (2-D) less its components along the directions the batch statistics
+        remove: ``dx = project(γ·G)/σ`` is the norm's backward formula."""
+        if not self.batch_stats:
+            return g
+        out = g - self.xhat * (g * self.xhat).mean(1, keepdim=True)
+        if self.centered:
+            out = out - g.mean(1, keepdim=True)
+        return out
+
+
+def _dot(weights: torch.Tensor, values: torch.Tensor) -> float:
+    return float((weights.double() * values.double()).sum())
 
 
 def _operands(kind: str, module: nn.Module, args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,6 +125,11 @@ def test_fp32_scores_zero_and_formats_order_by_mantissa_width(cnn_scores):
     omega = scores.xs("omega", axis=1, level=1)
     assert (omega["fp32"] == 0).all()
     assert (omega["fp16"] <= omega["bf16"]).all()
+    norms = scores[("op", "kind")] == "batch_norm"  # the policy allows them floats >= 16 bits
+    assert norms.sum() == 20 and omega[~norms].notna().all().all()
+    assert omega.loc[norms, ["int8", "fp8_e4m3", "fp8_e5m2"]].isna().all().all()
+    assert (omega.loc[norms, "fp16"] > 0).all() and (omega.loc[norms, "tf32"] == 0).all()
+    omega = omega[~norms]
     assert (omega["fp8_e4m3"] <= omega["fp8_e5m2"]).all()
     assert (omega["bf16"] <= omega["fp8_e4m3"]).all()
     weighted = scores[("op", "kind")].isin(["conv2d", "linear"])
@@ -137,7 +142,9 @@ def test_depth_weights_the_terms(cnn_scores):
     depth = scores[("op", "depth")]
     total = graph.ops["depth"].max()
     expected = 4 * (total - depth) * scores[("int8", "V_f")] + depth * scores[("int8", "V_b")]
-    assert np.allclose(scores[("int8", "omega")], expected)
+    assert np.allclose(scores[("int8", "omega")], expected, equal_nan=True)
+    expected = 4 * (total - depth) * scores[("fp16", "V_f")] + depth * scores[("fp16", "V_b")]
+    assert np.allclose(scores[("fp16", "omega")], expected)  # norms included
     assert depth.iloc[0] == 0 and depth.iloc[-1] > 20  # conv1 first, fc deep
 
 
