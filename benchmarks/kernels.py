@@ -1,6 +1,6 @@
 """Throughput of the quantization kernels beside memory bandwidth and torch equivalents.
 
-Run: ``.venv/bin/python benchmarks/kernels.py [--elements 67108864] [--repeats 5]``
+Run: ``.venv/bin/python benchmarks/kernels.py [--elements 67108864] [--repeats 5] [--only TEXT]``
 
 For each routine on a float32 input of ``--elements`` elements it prints GB/s of bytes read
 plus bytes written (counted per element in the ``B/elem`` column; fused routines count every
@@ -14,7 +14,10 @@ its first-touch page faults are included; large CPU outputs are advised as huge 
 with a preallocated ``out=`` tensor reused across calls (``out=``; "-" where the routine
 has no ``out=``). The torch column is torch's allocating call; "x torch" compares both of
 ours with it. The byte count is what the routine must move: a given-scale quantize reads x
-once (its NaN/Inf check is fused), abs-max + quantize reads it twice.
+once (its NaN/Inf check is fused), abs-max + quantize reads it twice. The per-channel rows
+view x as ``[elements / 4096, 4096]`` and take the channels along the last axis (one scale
+per column). The 1-minute load average is printed before and after: compare only runs on a
+quiet machine (timings of memory-bound loops on 2 cores halve under a competing job).
 """
 
 import os
@@ -29,6 +32,7 @@ import warnings
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import numba  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from qsync_lab import kernels as K  # noqa: E402
@@ -50,6 +54,15 @@ def _median_s(fn, repeats, sync):
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+_CHANNELS = 4096
+
+
+def _per_channel(x):
+    """``x`` as [rows, 4096] (channels along the last axis), with its per-channel scales."""
+    x2 = x[: x.numel() // _CHANNELS * _CHANNELS].reshape(-1, _CHANNELS)
+    return x2, (x2.abs().amax(dim=0) / 127).contiguous()
 
 
 def _routines(x):
@@ -76,6 +89,18 @@ def _routines(x):
             warnings.simplefilter("ignore")
             return torch.quantize_per_tensor(x, s, 0, torch.qint8)
 
+    x2, cscale = _per_channel(x)
+    zp = torch.zeros(_CHANNELS, dtype=torch.long)
+    c8 = torch.empty_like(x2, dtype=torch.int8)
+    c32 = torch.empty_like(x2)
+    ccodes = K.quantize_int8(x2, axis=-1).codes
+
+    def torch_quant_pc(scale=None):
+        s = x2.abs().amax(dim=0) / 127 if scale is None else scale
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.quantize_per_channel(x2, s.double(), zp, 1, torch.qint8)
+
     return [
         ("absmax", 4, lambda: K.absmax(x), None, lambda: x.abs().amax()),
         ("int8 quantize, given scale", 5, lambda: K.quantize_int8(x, scale=scale),
@@ -89,6 +114,16 @@ def _routines(x):
                              -127, 127).to(torch.int8)),
         ("int8 dequantize", 5, lambda: K.dequantize_int8(codes, scale),
          lambda: K.dequantize_int8(codes, scale, out=o32), lambda: codes.float() * scale),
+        ("int8 quantize, per-ch. last axis", 5,
+         lambda: K.quantize_int8(x2, axis=-1, scale=cscale),
+         lambda: K.quantize_int8(x2, axis=-1, scale=cscale, out=c8),
+         lambda: torch_quant_pc(cscale)),
+        ("int8 absmax+quantize, per-ch. last", 9, lambda: K.quantize_int8(x2, axis=-1),
+         lambda: K.quantize_int8(x2, axis=-1, out=c8), torch_quant_pc),
+        ("int8 dequantize, per-ch. last axis", 5,
+         lambda: K.dequantize_int8(ccodes, cscale, axis=-1),
+         lambda: K.dequantize_int8(ccodes, cscale, axis=-1, out=c32),
+         lambda: ccodes.float() * cscale),
         ("int8 fake-quantize + stats", 12, lambda: K.fake_quantize_int8(x),
          lambda: K.fake_quantize_int8(x, out=o32),
          lambda: torch.fake_quantize_per_tensor_affine(x, float(x.abs().amax()) / 127, 0,
@@ -118,7 +153,7 @@ def _routines(x):
     ]
 
 
-def _table(x, repeats, sync, label):
+def _table(x, repeats, sync, label, only=None):
     n = x.numel()
     dst = torch.empty_like(x)
     if x.is_cuda:
@@ -136,6 +171,8 @@ def _table(x, repeats, sync, label):
     print(head)
     print("-" * len(head))
     for name, bpe, ours, ours_out, theirs in _routines(x):
+        if only and not any(o.lower() in name.lower() for o in only):
+            continue
         gbs = [bpe * n / _median_s(f, repeats, sync) / 1e9 if f else None
                for f in (ours, ours_out)]
         t_gbs = bpe * n / _median_s(theirs, repeats, sync) / 1e9 if theirs else None
@@ -150,14 +187,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=64 * 2**20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="run only routines whose name contains TEXT (repeatable)")
     args = parser.parse_args()
     x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
-    _table(x, args.repeats, lambda: None, "CPU")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+          f"numba {numba.__version__} ({numba.get_num_threads()} threads); "
+          f"load average {_load()} at start")
+    _table(x, args.repeats, lambda: None, "CPU", args.only)
     if torch.cuda.is_available():
-        _table(x.cuda(), args.repeats, torch.cuda.synchronize, f"CUDA ({torch.cuda.get_device_name()})")
+        _table(x.cuda(), args.repeats, torch.cuda.synchronize,
+               f"CUDA ({torch.cuda.get_device_name()})", args.only)
     else:
         print("\nCUDA: not available, GPU table skipped")
+    print(f"load average {_load()} at end")
+
+
+def _load():
+    try:
+        return "/".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 if __name__ == "__main__":

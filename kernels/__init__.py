@@ -1,8 +1,8 @@
 """Quantization kernels: NumPy reference, Numba CPU and CUDA versions, one torch dispatcher.
 
 Importing this package is cheap and never needs a GPU: Numba is imported and the kernels
-are compiled on first use. See ``dispatch.py`` for the conventions (dtypes, layouts,
-NaN/Inf policy, backends).
+are compiled on first use (the CPU kernels once per installation: they are cached on disk).
+See ``dispatch.py`` for the conventions (dtypes, layouts, NaN/Inf policy, backends).
 """
 
 from .dispatch import (

@@ -1,15 +1,40 @@
 """CPU kernels: ``@njit(parallel=True)`` over contiguous NumPy arrays.
 
-Every kernel works on a flat array viewed as rows: element ``i`` belongs to channel
-``(i // inner) % nch`` (per tensor: ``inner = n``, ``nch = 1``). Work is split into a few
-contiguous chunks per thread; each chunk walks the row segments it covers, so the innermost
-loop has one scale and no index arithmetic and vectorises. Float32 values are read as
-``uint32`` bit views where the bits matter (abs-max, float formats). Nothing here allocates
-outputs except small partial-result arrays; the dispatcher passes preallocated outputs.
-Numerics follow ``reference.py`` exactly (no fastmath: nothing here would gain from it
-without changing a rounding or NaN result). Hot loops were checked in the assembly: abs-max
-is ``vpand``/``vpmaxsd`` on 32-bit lanes, dequantize ``vpmovsxbd``/``vcvtdq2ps``/``vmulps``,
-RNE quantize ``vdivps``/``vroundps``/``vcvttps2dq``, the float casts blend-based.
+Layout. Every kernel works on a flat array whose element ``i`` belongs to channel
+``(i // inner) % nch`` (per tensor: ``inner = n``, ``nch = 1``). Two loop shapes:
+
+* long rows (per tensor, or ``inner >= VEC_INNER``): the array is split into a few contiguous
+  chunks per thread; a chunk walks the row segments it covers, each with one scale;
+* short rows (per channel along the last axis or axes, ``inner < VEC_INNER``): the scale is
+  periodic in ``i`` with period ``P = nch * inner``, so a *period vector* (the scale of every
+  position of one period, tiled to at least ``VEC_MIN`` elements; just ``scales`` when
+  ``inner == 1``) is read beside the data, and each chunk walks whole periods.
+
+Either way the innermost loop runs over array *slices* from index 0, with a scalar scale or a
+slice of the period vector (``_at``): Numba's negative-index wrap-around then folds away and
+LLVM vectorises the loop with contiguous loads and stores. (With ``for j in range(i, stop)``
+over the full arrays it cannot prove ``j >= 0``, and every load became a gather and every
+int8 store a ``vpextrb`` scatter: that, and one segment per element for last-axis channels,
+was why quantize/dequantize ran far below memory bandwidth.)
+
+Float32 values are read as ``uint32``/``int32`` bit views where the bits matter (abs-max, float
+formats). Nothing here allocates outputs except small partial-result arrays and period
+vectors; the dispatcher passes preallocated outputs. Numerics follow ``reference.py`` exactly
+(no fastmath): quantize keeps the true division ``x / s`` (a reciprocal multiply changes the
+rounding of some quotients, e.g. ties of ``rint``; the division is not the bottleneck here:
+``vdivps`` retires 8 quotients every few cycles, far above what memory delivers). Hot loops
+were checked in the assembly: abs-max ``vpand``/``vpmaxsd``, dequantize
+``vpmovsxbd``/``vcvtdq2ps``/``vmulps``, RNE quantize ``vdivps``/``vroundps``/``vcvttps2dq``
+with packed stores, the float casts blend-based in 32-bit lanes, stochastic rounding's hash in
+32-bit lanes (``rng_bits32``).
+
+Compilation: kernels are compiled on first use and cached on disk (``cache=True``; Numba
+puts the cache in ``__pycache__`` beside this file, or in its user-wide cache directory when
+that is read-only; with no writable place at all they are compiled per process as before).
+The cache key also holds a digest of ``floatfmt.py`` and ``rng.py``, whose functions the
+kernels inline (Numba itself only watches this file). Measured here: the first calls of a
+typical set of routines take ~18 s in a fresh install (was ~12 s: more loop variants) and
+~0.7 s in every later process (was ~12 s in every process).
 
 Threading: Numba's default layer is used (``omp`` here; ``workqueue`` measured the same on
 these memory-bound loops, ``tbb`` is not installed) and nothing is set at import, since a
@@ -17,24 +42,145 @@ threading layer is process-wide and other Numba code may depend on it.
 """
 
 import functools
+import hashlib
 
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.core import types
+from numba.extending import overload
 
 from . import floatfmt, rng
+
+
+def _sources_digest(*modules):
+    """sha256 of the modules' source files (None when one cannot be read)."""
+    h = hashlib.sha256()
+    try:
+        for m in modules:
+            with open(m.__file__, "rb") as f:
+                h.update(f.read())
+    except (OSError, AttributeError, TypeError):
+        return None
+    return h.hexdigest()
+
+
+# Numba invalidates a disk-cached kernel when *this* file changes, not when a function it
+# calls from another module does; the kernels inline floatfmt's and rng's functions, so their
+# sources' digest is added to every cache key (below).
+_DEPS_DIGEST = _sources_digest(floatfmt, rng)
+
+
+def _jit(**options):
+    """``njit(cache=True, **options)``, keyed also on ``_DEPS_DIGEST``; plain ``njit`` where
+    Numba has nowhere to write a cache (read-only install and home) or its cache internals
+    are not the ones known here (then compiling per process is the safe choice)."""
+
+    def decorate(fn):
+        if _DEPS_DIGEST is None:
+            return njit(**options)(fn)
+        try:
+            disp = njit(cache=True, **options)(fn)
+        except RuntimeError:  # "cannot cache function ...: no locator available for file ..."
+            return njit(**options)(fn)
+        key = getattr(getattr(disp, "_cache", None), "_index_key", None)
+        if key is None:
+            return njit(**options)(fn)
+        disp._cache._index_key = lambda sig, codegen: (key(sig, codegen), _DEPS_DIGEST)
+        return disp
+
+    return decorate
+
 
 _ff = floatfmt.build(njit)
 ff_encode = _ff.encode
 ff_round = _ff.round_bits
+ff_encode_narrow = _ff.encode_narrow
+ff_round_narrow = _ff.round_narrow
+exp_dither_code = _ff.exp_dither_code
 rng_bits = njit(rng.rng_bits)
 
 _MIN_CHUNK = 1 << 15
 _UNIT24 = np.float32(2.0**-24)
+VEC_INNER = 256  # rows shorter than this use a period vector of scales
+VEC_MIN = 1024  # a period vector is tiled to at least this many elements
+VEC_PERIOD_MAX = 1 << 20  # largest period materialised (when inner > 1)
+_ABSMAX_PART_MAX = 1 << 21  # largest (chunks x period) partial-max array of a periodic abs-max
+_MUL_A = np.uint32(rng.MUL_A)
+_MUL_B = np.uint32(rng.MUL_B)
+_U32 = np.uint32(0xFFFFFFFF)
+
+
+# ----------------------------------------------------------------------------- helpers
 
 
 @njit
+def _mix32(h):
+    h = np.uint32(h ^ (h >> np.uint32(16)))
+    h = np.uint32(h * _MUL_A)
+    h = np.uint32(h ^ (h >> np.uint32(15)))
+    h = np.uint32(h * _MUL_B)
+    return np.uint32(h ^ (h >> np.uint32(16)))
+
+
+@njit
+def _hash32(key, lo, hi):
+    h = _mix32(np.uint32(np.uint32(key & _U32) ^ lo))
+    return _mix32(np.uint32(h ^ hi))
+
+
+@njit
+def rng_bits32(key, index):
+    """``rng.rng_bits(key, index)`` as a uint32, computed in 32-bit lanes.
+
+    ``rng.rng_bits`` keeps every product below 2**49 (split 16-bit multiplies, masked to 32
+    bits) so that it is exact in any integer type; the result is the 32-bit wrap-around
+    product, which is what ``uint32 * uint32`` truncated to 32 bits gives directly
+    (``vpmulld``).
+    """
+    return _hash32(key, np.uint32(index & _U32), np.uint32((index >> 32) & _U32))
+
+
+@njit
+def _uniform(key, lo, hi):
+    """Uniform float32 in [0, 1) of element ``hi * 2**32 + lo``: ``(rng_bits >> 8) * 2**-24``.
+
+    Runs never cross a multiple of 2**32 (``_no_wrap``), so a loop passes ``uint32(j)`` and
+    the run's constant high word, and the index stays in 32-bit lanes too.
+    """
+    return np.float32(np.int32(_hash32(key, lo, hi) >> np.uint32(8))) * _UNIT24
+
+
+def _at(v, t):
+    """``v[t]`` for an array (period vector), ``v`` itself for a scalar scale."""
+    return v[t] if isinstance(v, np.ndarray) else v
+
+
+@overload(_at)
+def _at_overload(v, t):
+    if isinstance(v, types.Array):
+        return lambda v, t: v[t]
+    return lambda v, t: v
+
+
+def _part(v, a, b):
+    """``v[a:b]`` for an array (period vector), ``v`` itself for a scalar scale."""
+    return v[a:b] if isinstance(v, np.ndarray) else v
+
+
+@overload(_part)
+def _part_overload(v, a, b):
+    if isinstance(v, types.Array):
+        return lambda v, a, b: v[a:b]
+    return lambda v, a, b: v
+
+
 def _nchunks(n):
+    """Chunks for n elements: a few per thread, none under ``_MIN_CHUNK`` elements.
+
+    Computed here, not in the kernels: ``numba.get_num_threads()`` inside a kernel goes
+    through a ctypes pointer, which would keep Numba from caching the kernel on disk.
+    """
     return max(1, min(n // _MIN_CHUNK, 4 * numba.get_num_threads()))
 
 
@@ -44,32 +190,77 @@ def _bounds(n, nchunks, k):
 
 
 @njit
+def _no_wrap(i, stop):
+    """``stop``, or the next multiple of 2**32 after ``i`` when that comes first."""
+    return min(stop, ((i >> 32) + 1) << 32)
+
+
+@njit
 def _segment(i, end, inner, nch):
     """Return (channel, stop) of the row segment that starts at flat index i."""
     row = i // inner
-    return row % nch, min(end, (row + 1) * inner)
+    return row % nch, _no_wrap(i, min(end, (row + 1) * inner))
 
 
-@njit(parallel=True)
-def absmax_bits(xb, mask, inner, nch, out):
-    """Per-channel max of ``xb & mask`` (abs-max on float bit patterns) into int64 ``out``.
+@njit
+def _period_stop(i, end, period):
+    """Return (position in the period vector, stop) of the run that starts at flat index i."""
+    p = i % period
+    return p, _no_wrap(i, min(end, i + period - p))
 
-    ``xb`` is the int32 (fp32) or int16 (fp16/bf16) view of the data; masking off the sign
-    leaves a non-negative value of the same width, so the running max stays in 32/16-bit
-    lanes (``vpand`` + ``vpmaxsd``/``vpmaxsw``) and NaN, whose bits exceed Inf's, wins.
+
+_NOVEC = np.zeros(0, dtype=np.float32)
+
+
+def _period_vector(values, inner, nch):
+    """The period vector of per-channel ``values`` (float32), or None for long rows.
+
+    Position ``p`` of the result holds ``values[(p // inner) % nch]``; its length is a multiple
+    of ``nch * inner``, at least ``VEC_MIN``.
     """
+    period = inner * nch
+    if nch == 1 or inner >= VEC_INNER or (inner > 1 and period > VEC_PERIOD_MAX):
+        return None
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    if inner > 1:
+        v = np.repeat(v, inner)
+    if period < VEC_MIN:
+        v = np.tile(v, -(-VEC_MIN // period))
+    return v
+
+
+def _divisors(v):
+    """Divisors of quantize: the scale, or 1 where it is 0 (all-zero channels get code 0)."""
+    return np.where(v > 0, v, np.float32(1)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- abs-max
+
+
+@njit
+def _max_bits(xb, m0):
+    m = xb.dtype.type(0)
+    for t in range(xb.size):
+        m = max(m, xb.dtype.type(xb[t] & m0))
+    return m
+
+
+@njit
+def _max_bits_into(xb, acc, m0):
+    for t in range(xb.size):
+        acc[t] = max(acc[t], xb.dtype.type(xb[t] & m0))
+
+
+@_jit(parallel=True)
+def _absmax_rows(xb, mask, inner, nch, nck, out):
     n = xb.size
-    nck = _nchunks(n)
     part = np.zeros((nck, nch), dtype=np.int64)
     m0 = xb.dtype.type(mask)
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
         while i < end:
             c, stop = _segment(i, end, inner, nch)
-            m = xb.dtype.type(0)
-            for j in range(i, stop):
-                m = max(m, xb.dtype.type(xb[j] & m0))
-            part[k, c] = max(part[k, c], np.int64(m))
+            part[k, c] = max(part[k, c], np.int64(_max_bits(xb[i:stop], m0)))
             i = stop
     for c in range(nch):
         out[c] = 0
@@ -78,106 +269,249 @@ def absmax_bits(xb, mask, inner, nch, out):
             out[c] = max(out[c], part[k, c])
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
+def _absmax_periodic(xb, mask, part):
+    """``part[k, p]`` = max of ``xb & mask`` over chunk k's elements at period position p."""
+    n = xb.size
+    nck, period = part.shape
+    m0 = xb.dtype.type(mask)
+    for k in prange(nck):
+        i, end = _bounds(n, nck, k)
+        acc = part[k]
+        while i < end:
+            p, stop = _period_stop(i, end, period)
+            _max_bits_into(xb[i:stop], acc[p : p + (stop - i)], m0)
+            i = stop
+
+
+def absmax_bits(xb, mask, inner, nch, out):
+    """Per-channel max of ``xb & mask`` (abs-max on float bit patterns) into int64 ``out``.
+
+    ``xb`` is the int32 (fp32) or int16 (fp16/bf16) view of the data; masking off the sign
+    leaves a non-negative value of the same width, so the running max stays in 32/16-bit
+    lanes (``vpand`` + ``vpmaxsd``/``vpmaxsw``) and NaN, whose bits exceed Inf's, wins.
+    Short rows keep one partial max per chunk and period position, folded here.
+    """
+    period = inner * nch
+    if nch > 1 and inner < VEC_INNER:
+        length = period * -(-VEC_MIN // period)
+        nck = _nchunks(xb.size)
+        if nck * length <= _ABSMAX_PART_MAX:
+            part = np.zeros((nck, length), dtype=xb.dtype)
+            _absmax_periodic(xb, mask, part)
+            red = part.max(axis=0).reshape(-1, nch, inner).max(axis=(0, 2))
+            out[:nch] = red
+            return
+    _absmax_rows(xb, mask, inner, nch, _nchunks(xb.size), out)
+
+
+# ----------------------------------------------------------------------------- int8
+
+
+@njit(error_model="numpy")
+def _q_run(x, xi, out, div, lo, hi, stochastic, key, j0):
+    """int8 codes of one run (``div`` a scalar or a period-vector slice); max |x| bits."""
+    m = np.int32(0)
+    if stochastic:
+        jhi = np.uint32(j0 >> 32)
+        for t in range(x.size):
+            v = x[t] / _at(div, t)
+            f = np.floor(v)
+            q = f + np.float32(1) if _uniform(key, np.uint32(j0 + t), jhi) < v - f else f
+            out[t] = np.int8(min(max(q, lo), hi))
+            m = max(m, np.int32(xi[t] & 0x7FFFFFFF))
+    else:
+        for t in range(x.size):
+            out[t] = np.int8(min(max(np.rint(x[t] / _at(div, t)), lo), hi))
+            m = max(m, np.int32(xi[t] & 0x7FFFFFFF))
+    return m
+
+
+@_jit(parallel=True, error_model="numpy")
+def _quantize(x, scales, inner, nch, divvec, qmax, stochastic, key, nck, out):
+    n = x.size
+    hi = np.float32(qmax)
+    lo = -hi
+    xi = x.view(np.int32)
+    period = divvec.size
+    part = np.zeros(nck, dtype=np.int64)
+    for k in prange(nck):
+        i, end = _bounds(n, nck, k)
+        m = np.int32(0)
+        while i < end:
+            if period:
+                p, stop = _period_stop(i, end, period)
+                div = divvec[p : p + (stop - i)]
+                r = _q_run(x[i:stop], xi[i:stop], out[i:stop], div, lo, hi, stochastic, key, i)
+            else:
+                c, stop = _segment(i, end, inner, nch)
+                s = scales[c]
+                d = s if s > 0 else np.float32(1)
+                r = _q_run(x[i:stop], xi[i:stop], out[i:stop], d, lo, hi, stochastic, key, i)
+            m = max(m, r)
+            i = stop
+        part[k] = m
+    return part.max()
+
+
 def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
     """int8 codes of float32 ``x``: RNE ``rint(x/s)`` or stochastic, clamped to ±qmax.
 
     Returns the largest ``|x|`` bit pattern seen (an int), so a caller that has no abs-max
     pass of its own can check for NaN/Inf (``>= 0x7F800000``) without reading x again.
     """
-    n = x.size
-    nck = _nchunks(n)
-    hi = np.float32(qmax)
-    lo = -hi
-    xi = x.view(np.int32)
-    part = np.zeros(nck, dtype=np.int64)
+    vec = _period_vector(scales, inner, nch)
+    vec = _NOVEC if vec is None else _divisors(vec)
+    return _quantize(x, scales, inner, nch, vec, qmax, stochastic, key, _nchunks(x.size), out)
+
+
+@njit(error_model="numpy")
+def _dq_run(q, out, s):
+    for t in range(q.size):
+        out[t] = np.float32(q[t]) * _at(s, t)
+
+
+@_jit(parallel=True, error_model="numpy")
+def _dequantize(q, scales, inner, nch, svec, nck, out):
+    n = q.size
+    period = svec.size
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
-        m = np.int32(0)
         while i < end:
-            c, stop = _segment(i, end, inner, nch)
-            s = scales[c]
-            div = s if s > 0 else np.float32(1)
-            if stochastic:
-                for j in range(i, stop):
-                    v = x[j] / div
-                    f = np.floor(v)
-                    u = np.float32(rng_bits(key, j) >> 8) * _UNIT24
-                    q = f + np.float32(1) if u < v - f else f
-                    out[j] = np.int8(min(max(q, lo), hi))
-                    m = max(m, np.int32(xi[j] & 0x7FFFFFFF))
+            if period:
+                p, stop = _period_stop(i, end, period)
+                _dq_run(q[i:stop], out[i:stop], svec[p : p + (stop - i)])
             else:
-                for j in range(i, stop):
-                    out[j] = np.int8(min(max(np.rint(x[j] / div), lo), hi))
-                    m = max(m, np.int32(xi[j] & 0x7FFFFFFF))
+                c, stop = _segment(i, end, inner, nch)
+                _dq_run(q[i:stop], out[i:stop], scales[c])
             i = stop
-        part[k] = m
-    return part.max()
 
 
-@njit(parallel=True)
 def dequantize(q, scales, inner, nch, out):
     """``q * s`` in float32."""
-    n = q.size
-    nck = _nchunks(n)
-    for k in prange(nck):
-        i, end = _bounds(n, nck, k)
-        while i < end:
-            c, stop = _segment(i, end, inner, nch)
-            s = scales[c]
-            for j in range(i, stop):
-                out[j] = np.float32(q[j]) * s
-            i = stop
+    vec = _period_vector(scales, inner, nch)
+    _dequantize(q, scales, inner, nch, _NOVEC if vec is None else vec, _nchunks(q.size), out)
 
 
-@njit(parallel=True)
-def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out):
-    """Quantize, dequantize, round to ``out_fmt``; float64 sum of squared error to sse_out[0]."""
+_FQ_BLOCK = 512
+
+
+@njit(error_model="numpy")
+def _fq_value(xt, st, stochastic, key, lo, hi):
+    """``q * s`` (float32) of one element (index ``hi * 2**32 + lo``) with scale ``st``."""
+    div = st if st > 0 else np.float32(1)
+    v = xt / div
+    if stochastic:
+        f = np.floor(v)
+        q = f + np.float32(1) if _uniform(key, lo, hi) < v - f else f
+    else:
+        q = np.rint(v)
+    return min(max(q, np.float32(-127)), np.float32(127)) * st
+
+
+@njit(error_model="numpy")
+def _fq_block(x, out, s, stochastic, key, j0, out_fmt, reround, sq):
+    # Separate simple loops over one block (in L1): each vectorises (a loop with a call, a
+    # per-element flag test or a float reduction would not).
+    hi = np.uint32(j0 >> 32)
+    if stochastic:
+        for t in range(x.size):
+            out[t] = _fq_value(x[t], _at(s, t), True, key, np.uint32(j0 + t), hi)
+    else:
+        for t in range(x.size):
+            out[t] = _fq_value(x[t], _at(s, t), False, key, np.uint32(j0 + t), hi)
+    if reround:
+        ob = out.view(np.uint32)
+        for t in range(x.size):
+            ob[t] = ff_round(ob[t], out_fmt)
+    for t in range(x.size):
+        d = np.float64(out[t]) - np.float64(x[t])
+        sq[t] = d * d
+
+
+@njit
+def _sum4(sq, m):
+    """Sum of ``sq[:m]`` with four accumulators (a float reduction LLVM may not reorder)."""
+    a0 = a1 = a2 = a3 = 0.0
+    m4 = m - m % 4
+    for t in range(0, m4, 4):
+        a0 += sq[t]
+        a1 += sq[t + 1]
+        a2 += sq[t + 2]
+        a3 += sq[t + 3]
+    for t in range(m4, m):
+        a0 += sq[t]
+    return (a0 + a1) + (a2 + a3)
+
+
+@njit
+def _fq_run(x, out, s, stochastic, key, j0, out_fmt, reround, sq):
+    """Fake-quantize one run; returns the float64 sum of squared errors.
+
+    Blocks of ``_FQ_BLOCK`` elements write their squared errors to the scratch ``sq`` (so the
+    element loop has no loop-carried float dependency and vectorises), then sum them.
+    """
+    acc = 0.0
+    for b0 in range(0, x.size, _FQ_BLOCK):
+        b1 = min(x.size, b0 + _FQ_BLOCK)
+        _fq_block(x[b0:b1], out[b0:b1], _part(s, b0, b1), stochastic, key, j0 + b0, out_fmt,
+                  reround, sq)
+        acc += _sum4(sq, b1 - b0)
+    return acc
+
+
+@_jit(parallel=True, error_model="numpy")
+def _fake_quantize(x, scales, inner, nch, svec, stochastic, key, out_fmt, nck, out, sse_out):
     n = x.size
-    nck = _nchunks(n)
     sse = np.zeros(nck, dtype=np.float64)
     reround = out_fmt[1] < 23
+    period = svec.size
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
+        sq = np.empty(_FQ_BLOCK, dtype=np.float64)
         acc = 0.0
         while i < end:
-            c, stop = _segment(i, end, inner, nch)
-            s = scales[c]
-            div = s if s > 0 else np.float32(1)
-            for j in range(i, stop):
-                v = x[j] / div
-                if stochastic:
-                    f = np.floor(v)
-                    u = np.float32(rng_bits(key, j) >> 8) * _UNIT24
-                    q = f + np.float32(1) if u < v - f else f
-                else:
-                    q = np.rint(v)
-                y = min(max(q, np.float32(-127)), np.float32(127)) * s
-                if reround:
-                    y = np.uint32(ff_round(np.float32(y).view(np.uint32), out_fmt)).view(np.float32)
-                out[j] = y
-                d = np.float64(y) - np.float64(x[j])
-                acc += d * d
+            if period:
+                p, stop = _period_stop(i, end, period)
+                acc += _fq_run(x[i:stop], out[i:stop], svec[p : p + (stop - i)], stochastic,
+                               key, i, out_fmt, reround, sq)
+            else:
+                c, stop = _segment(i, end, inner, nch)
+                acc += _fq_run(x[i:stop], out[i:stop], scales[c], stochastic, key, i, out_fmt,
+                               reround, sq)
             i = stop
         sse[k] = acc
     sse_out[0] = sse.sum()
 
 
-# Float formats. The scalar source is ``floatfmt`` (shared with the CUDA kernels). With the
-# format a run-time tuple, Numba's 64-bit integer typing keeps the vector lanes 64 bits wide;
-# with the format a compile-time constant, LLVM folds the constants and narrows the hot loop
-# to 32-bit lanes (about twice the throughput). So large arrays get a kernel compiled for
-# their format (once per format and kernel, cached), small ones the generic kernel.
+def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out):
+    """Quantize, dequantize, round to ``out_fmt``; float64 sum of squared error to sse_out[0]."""
+    vec = _period_vector(scales, inner, nch)
+    _fake_quantize(x, scales, inner, nch, _NOVEC if vec is None else vec, stochastic, key,
+                   tuple(out_fmt), _nchunks(x.size), out, sse_out)
+
+
+# ----------------------------------------------------------------------------- float formats
+
+# The scalar source is ``floatfmt`` (shared with the CUDA kernels). With the format a run-time
+# tuple, Numba's 64-bit integer typing keeps the vector lanes 64 bits wide; with the format a
+# compile-time constant, LLVM folds the constants and narrows the hot loop to 32-bit lanes
+# (about twice the throughput). So large arrays get a kernel compiled for their format (once
+# per format and kernel, cached in memory and on disk: the closure's format is part of
+# Numba's cache key), small ones the generic kernel. Formats with 2 <= E <= 7 and
+# 1 <= M <= 22 (fp16, both fp8, most CPD formats) use ``floatfmt``'s ``*_narrow`` twins,
+# which give the same bits for all 2**32 inputs in about half the operations (one FPU
+# rounding instead of separate normal/subnormal/overflow paths).
 SPECIALIZE_MIN = 1 << 18
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
 def _float_encode(xb, fmt, out):
     for j in prange(xb.size):
         out[j] = ff_encode(xb[j], fmt)
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
 def _float_round(x, p1, p2, fmt, out):
     xb = x.view(np.uint32)
     p1 = np.float32(p1)
@@ -195,10 +529,16 @@ def _float_round(x, p1, p2, fmt, out):
 def _encode_for(fmt):
     F = tuple(int(v) for v in fmt)
 
-    @njit(parallel=True)
-    def kernel(xb, out):
-        for j in prange(xb.size):
-            out[j] = ff_encode(xb[j], F)
+    if floatfmt.is_narrow(F):
+        @_jit(parallel=True)
+        def kernel(xb, out):
+            for j in prange(xb.size):
+                out[j] = ff_encode_narrow(xb[j], F)
+    else:
+        @_jit(parallel=True)
+        def kernel(xb, out):
+            for j in prange(xb.size):
+                out[j] = ff_encode(xb[j], F)
 
     return kernel
 
@@ -206,16 +546,30 @@ def _encode_for(fmt):
 @functools.cache
 def _round_for(fmt, prescale):
     F = tuple(int(v) for v in fmt)
+    narrow = floatfmt.is_narrow(F)
 
-    if prescale:
-        @njit(parallel=True)
+    if prescale and narrow:
+        @_jit(parallel=True)
+        def kernel(x, p1, p2, out):
+            p1 = np.float32(p1)
+            p2 = np.float32(p2)
+            for j in prange(x.size):
+                out[j] = ff_round_narrow(np.float32(x[j] * p1 * p2).view(np.uint32), F)
+    elif prescale:
+        @_jit(parallel=True)
         def kernel(x, p1, p2, out):
             p1 = np.float32(p1)
             p2 = np.float32(p2)
             for j in prange(x.size):
                 out[j] = ff_round(np.float32(x[j] * p1 * p2).view(np.uint32), F)
+    elif narrow:
+        @_jit(parallel=True)
+        def kernel(x, p1, p2, out):
+            xb = x.view(np.uint32)
+            for j in prange(x.size):
+                out[j] = ff_round_narrow(xb[j], F)
     else:
-        @njit(parallel=True)
+        @_jit(parallel=True)
         def kernel(x, p1, p2, out):
             xb = x.view(np.uint32)
             for j in prange(x.size):
@@ -244,11 +598,12 @@ def float_round(x, p1, p2, fmt, out):
         _float_round(x, p1, p2, tuple(fmt), out)
 
 
-@njit(parallel=True)
-def sum_squares(x, out):
-    """Sum of x² in float64 into ``out[0]``."""
+# ----------------------------------------------------------------------------- compression
+
+
+@_jit(parallel=True)
+def _sum_squares(x, nck, out):
     n = x.size
-    nck = _nchunks(n)
     part = np.zeros(nck, dtype=np.float64)
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
@@ -260,32 +615,21 @@ def sum_squares(x, out):
     out[0] = part.sum()
 
 
-@njit(parallel=True)
+def sum_squares(x, out):
+    """Sum of x² in float64 into ``out[0]``."""
+    _sum_squares(x, _nchunks(x.size), out)
+
+
+@_jit(parallel=True, error_model="numpy")
 def exp_dither_encode(x, m, key, out):
-    """Global-QSGD exponential dithering codes (see ``reference.exp_dither_encode``)."""
+    """Global-QSGD exponential dithering codes (``floatfmt.exp_dither_code``)."""
     m = np.float32(m)
     div = m if m > 0 else np.float32(1)
-    xbits = x.view(np.uint32)
     for j in prange(x.size):
-        xb = xbits[j]
-        r = np.float32(abs(x[j]) / div)
-        rb = np.int64(r.view(np.uint32))
-        eb = rb >> 23
-        up = (rng_bits(key, j) >> 8) < 2 * (rb & 0x7FFFFF)
-        if eb >= 127:
-            code = 1
-        elif eb >= 1:
-            code = 128 - eb - (1 if up else 0)
-        else:
-            code = 127 if up else 0
-        if m <= 0:
-            code = 0
-        if code > 0 and (xb >> 31) != 0:
-            code = code | 0x80
-        out[j] = code
+        out[j] = exp_dither_code(x[j], div, m, rng_bits32(key, j))
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
 def exp_dither_decode(codes, m, out):
     """``±M · 2**-(c-1)`` from exponential-dithering codes."""
     m = np.float32(m)
@@ -298,7 +642,7 @@ def exp_dither_decode(codes, m, out):
         out[j] = -val if c & 0x80 else val
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
 def cgx_meta(x, bucket, levels, meta):
     """Per group: ``meta[g] = (min, float32((max - min) / levels))``."""
     n = x.size
@@ -327,7 +671,7 @@ def _cgx_code(x, j, meta, bucket, levels, stochastic, key):
     return min(max(np.int64(np.floor(v + r)), 0), levels)
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
 def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
     """Quantize groups to b bits and pack 8 codes into b bytes, little-endian."""
     n = x.size
@@ -342,7 +686,7 @@ def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
             payload[blk * bits + t] = (acc >> (8 * t)) & 0xFF
 
 
-@njit(parallel=True)
+@_jit(parallel=True)
 def cgx_decode(payload, meta, bucket, bits, out):
     """Unpack b-bit codes and return ``min + unit·q`` (float64 arithmetic, float32 out)."""
     n = out.size

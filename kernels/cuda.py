@@ -21,6 +21,7 @@ _device = cuda.jit(device=True)
 _ff = floatfmt.build(_device)
 ff_encode = _ff.encode
 ff_round = _ff.round_bits
+exp_dither_code = _ff.exp_dither_code
 rng_bits = _device(rng.rng_bits)
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
@@ -168,24 +169,10 @@ def _sum_squares_kernel(x, out):
 
 
 @cuda.jit
-def _exp_dither_encode_kernel(x, xb, m, key, out):
+def _exp_dither_encode_kernel(x, m, key, out):
     div = m if m > 0 else np.float32(1)
     for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-        r = np.float32(abs(x[j]) / div)
-        rb = np.int64(r.view(np.uint32))
-        eb = rb >> 23
-        up = (rng_bits(key, j) >> 8) < 2 * (rb & 0x7FFFFF)
-        if eb >= 127:
-            code = 1
-        elif eb >= 1:
-            code = 128 - eb - (1 if up else 0)
-        else:
-            code = 127 if up else 0
-        if m <= 0:
-            code = 0
-        if code > 0 and (np.int64(xb[j]) >> 31) != 0:
-            code = code | 0x80
-        out[j] = code
+        out[j] = exp_dither_code(x[j], div, m, rng_bits(key, j))
 
 
 @cuda.jit
@@ -313,7 +300,7 @@ def sum_squares(x, out):
 
 
 def exp_dither_encode(x, m, key, out):
-    _exp_dither_encode_kernel[_blocks(x.size), TPB](x, x.view(np.uint32), np.float32(m), key, out)
+    _exp_dither_encode_kernel[_blocks(x.size), TPB](x, np.float32(m), key, out)
 
 
 def exp_dither_decode(codes, m, out):

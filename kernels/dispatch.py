@@ -3,7 +3,9 @@
 Backends (``backend=``): ``"auto"`` (CUDA kernels for CUDA tensors, CPU kernels otherwise),
 ``"cpu"`` (Numba ``njit(parallel=True)``), ``"cuda"`` (Numba ``cuda.jit``; CUDA tensors, or
 CPU tensors under ``NUMBA_ENABLE_CUDASIM=1``) and ``"reference"`` (NumPy, ``reference.py``).
-Numba is imported, and kernels compiled, on first use only.
+Numba is imported, and kernels compiled, on first use only; the CPU kernels are also cached
+on disk (Numba's ``cache=True``, see ``cpu.py``), so later processes load them in well under a
+second instead of compiling for ~20 s.
 
 Conventions:
 

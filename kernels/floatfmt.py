@@ -22,7 +22,17 @@ The functions are branch-free (for speed: the CPU kernels vectorise them): every
 result is computed with 32-bit integer bit arithmetic and picked by selects on float
 compares of ``|x|``. Subnormal results use exact float additions of a power of two whose ulp
 is the format's quantum (the FPU's RNE does the rounding; no FMA can arise, no
-flush-to-zero is assumed anywhere), so results are identical on every backend. ``build(jit)`` compiles the set with a Numba decorator (``njit`` or
+flush-to-zero is assumed anywhere), so results are identical on every backend.
+
+``encode_narrow``/``round_narrow`` give the same bits as ``encode``/``round_bits`` for every
+one of the 2**32 inputs (checked exhaustively for fp16, both fp8 and CPD formats) when
+``is_narrow(fmt)`` (2 <= E <= 7, 1 <= M <= 22), in about half the operations: one FPU rounding
+of the clamped magnitude covers the normal, subnormal and overflow ranges, and no subnormal
+float32 is created (those take slow microcode assists on x86, and would make the speed depend
+on the data). The CPU kernels use them for those formats. ``exp_dither_code`` is Global-QSGD's exponential-dithering encoder,
+shared by the CPU and CUDA kernels.
+
+``build(jit)`` compiles the set with a Numba decorator (``njit`` or
 ``cuda.jit(device=True)``); the plain functions are the simulator's and the tests' versions.
 """
 
@@ -106,9 +116,12 @@ def _make_encode(consts):
         ax = a.view(f32)
         fmin = u32(emin_bits).view(f32)
         sign = u32(u32(b & u32(0x80000000)) >> u32(sign_sh))
-        # normal: round the float32 bits themselves; a mantissa carry moves into the exponent
+        # normal: round the float32 bits themselves; a mantissa carry moves into the exponent.
+        # The sum is < 2**32 (an < 2**31), so truncating it to 32 bits before the shift changes
+        # nothing, but it lets LLVM keep the lanes 32 bits wide (Numba widens u32 + u32 to 64
+        # bits; without the truncation the shift needed the 64-bit sum: half the throughput).
         an = u32(f32(max(ax, fmin)).view(u32))
-        mag_n = u32(u32((an + u32(half_m1) + ((an >> u32(sh)) & u32(odd))) >> u32(sh))
+        mag_n = u32(u32(u32(an + u32(half_m1) + ((an >> u32(sh)) & u32(odd))) >> u32(sh))
                     - u32(rebias))
         # subnormal in the format: count quanta of 2**(emin - M), rounded by the FPU
         magic = u32(magic_bits)
@@ -152,14 +165,125 @@ def _make_round(enc, dec):
     return round_bits
 
 
+def is_narrow(fmt):
+    """Whether ``encode_narrow``/``round_narrow`` apply to ``fmt``: 2 <= E <= 7, so every
+    power of two they form (up to ``2**(emax + 24 - M)``) is a normal float32, and
+    1 <= M <= 22: ``c + 2**(e + 23 - M)`` stays in that power's binade, and the FPU's
+    tie-to-even picks the even code (with M = 0 the code is the exponent field, whose parity
+    is not the sum's last bit)."""
+    return 2 <= fmt[0] <= 7 and 1 <= fmt[1] <= 22
+
+
+def _make_narrow_constants(consts):
+    def narrow_constants(fmt):
+        """``(sh, emin_bits, clamp_bits, step, code_base, nan_base, pmask, sign_sh,
+        over_bits)``: from ``constants``, the mantissa shift, float32 bits of ``2**emin``, of
+        ``max + ulp/2`` (``top_bits``: it rounds to max for a saturating format, whose max
+        has an even mantissa, and past max for an IEEE-like one) and the NaN code pieces and
+        sign shift; ``sh << 23`` (added to a power of two's bits: the magic number whose ulp
+        is that binade's quantum), ``(128 + sh - bias) << M`` (see ``encode_narrow``) and
+        float32 bits of ``2**(emax + 1)``, the first value past the largest finite one."""
+        E, M, sat, _ = fmt
+        c = consts(fmt)
+        bias = (1 << (E - 1)) - 1
+        emax_b = 127 + (1 << E) - 1 - bias - (0 if sat else 1)
+        return (c[0], c[4], c[6], (23 - M) << 23, (128 + (23 - M) - bias) << M, c[8], c[9],
+                c[10], (emax_b + 1) << 23)
+
+    return narrow_constants
+
+
+def _make_magic_sum(nconsts):
+    def magic_sum(a, fmt):
+        """``(bits of c + m, bits of m)`` for ``|x|`` (bits ``a``): the rounding step.
+
+        ``c`` is ``|x|`` clamped to ``max + ulp/2`` (an integer min: no NaN or huge value
+        reaches float arithmetic), ``m = 2**(max(e, emin) + 23 - M)`` with ``e`` c's exponent:
+        the sum's ulp is the format's quantum in c's binade (the subnormal quantum below
+        ``2**emin``), so the FPU's RNE rounds once, exactly, and a carry lands on the next
+        power of two. It creates no subnormal float32 (those take slow microcode assists).
+        """
+        _, emin_bits, clamp_bits, step, _, _, _, _, _ = nconsts(fmt)
+        ac = min(a, u32(clamp_bits))
+        m = u32(max(u32(ac & u32(0x7F800000)), u32(emin_bits)) + u32(step))
+        return f32(u32(ac).view(f32) + m.view(f32)).view(u32), m
+
+    return magic_sum
+
+
+def _make_narrow(nconsts, magic_sum):
+    def encode_narrow(b, fmt):
+        """``encode`` for ``is_narrow`` formats (the same code for every input), shorter.
+
+        ``bits(c + m) - bits(m)`` counts the quanta of the rounded magnitude: the subnormal
+        code below ``2**emin``, and ``2**M + mantissa`` (``2**(M+1)`` after a carry) in the
+        binade of ``2**e``, whose code is that plus ``(e + bias - 1) << M``;
+        ``bits(m) >> sh`` is ``(max(e, emin) + 127 + sh) << M``, so subtracting
+        ``(128 + sh - bias) << M`` gives that offset, and 0 for subnormals. A value past max
+        (clamped to ``max + ulp/2``) lands on the Inf code, or on max when saturating.
+        """
+        sh, _, _, _, code_base, nan_base, pmask, sign_sh, _ = nconsts(fmt)
+        b = u32(b)
+        a = u32(b & u32(0x7FFFFFFF))
+        sign = u32(u32(b & u32(0x80000000)) >> u32(sign_sh))
+        s, m = magic_sum(a, fmt)
+        mag = u32(u32(s - m) + u32(u32(m >> u32(sh)) - u32(code_base)))
+        nan_code = u32(sign | u32(nan_base) | ((a & u32(pmask)) >> u32(sh)))
+        return nan_code if a > u32(0x7F800000) else u32(sign | mag)
+
+    def round_narrow(b, fmt):
+        """``round_bits`` for ``is_narrow`` formats (the same bits for every input)."""
+        over_bits = nconsts(fmt)[8]
+        b = u32(b)
+        a = u32(b & u32(0x7FFFFFFF))
+        s, m = magic_sum(a, fmt)
+        r = f32(u32(s).view(f32) - u32(m).view(f32)).view(u32)
+        r = u32(0x7F800000) if r >= u32(over_bits) else r
+        return b if a > u32(0x7F800000) else u32(r | u32(b & u32(0x80000000)))
+
+    return encode_narrow, round_narrow
+
+
 encode = _make_encode(constants)
 decode = _make_decode(constants)
 round_bits = _make_round(encode, decode)
+narrow_constants = _make_narrow_constants(constants)
+encode_narrow, round_narrow = _make_narrow(narrow_constants, _make_magic_sum(narrow_constants))
+
+
+def exp_dither_code(x, div, m, rbits):
+    """Global-QSGD exponential-dithering code of float32 ``x`` (``reference.exp_dither_encode``).
+
+    ``m`` is the shared scale M, ``div`` is M (1 when M is 0) and ``rbits`` the element's
+    32-bit random hash ``rng_bits(key, index)``. ``r = |x| / div`` in float32 lies in
+    ``[2**-k-1, 2**-k)`` and rounds up to ``2**-k`` when ``u24 < 2 * mantissa(r)`` (probability
+    ``r * 2**(k+1) - 1``, exactly), else down; the code is a 7-bit exponent ``c`` (value
+    ``M * 2**-(c-1)``, 0 = zero) with x's sign in bit 7. Shared by the CPU and CUDA kernels.
+    """
+    r = f32(abs(x) / div)
+    rb = np.int64(r.view(u32))
+    eb = rb >> 23
+    up = (np.int64(rbits) >> 8) < 2 * (rb & 0x7FFFFF)
+    if eb >= 127:
+        code = 1
+    elif eb >= 1:
+        code = 128 - eb - (1 if up else 0)
+    else:
+        code = 127 if up else 0
+    if m <= 0:
+        code = 0
+    if code > 0 and (np.int64(f32(x).view(u32)) >> 31) != 0:
+        code = code | 0x80
+    return code
 
 
 def build(jit):
-    """Compile ``encode``, ``decode`` and ``round_bits`` with the decorator ``jit``."""
+    """Compile every scalar function here with the decorator ``jit``."""
     consts = jit(constants)
     enc = jit(_make_encode(consts))
     dec = jit(_make_decode(consts))
-    return SimpleNamespace(encode=enc, decode=dec, round_bits=jit(_make_round(enc, dec)))
+    nconsts = jit(_make_narrow_constants(consts))
+    enc_n, round_n = (jit(f) for f in _make_narrow(nconsts, jit(_make_magic_sum(nconsts))))
+    return SimpleNamespace(encode=enc, decode=dec, round_bits=jit(_make_round(enc, dec)),
+                           encode_narrow=enc_n, round_narrow=round_n,
+                           exp_dither_code=jit(exp_dither_code))

@@ -173,7 +173,11 @@ def round_to_format(x, fmt):
     if sat:
         r = np.minimum(r, max_val)
     else:
-        r = np.where(r > max_val, np.inf, r)
+        # IEEE 754's overflow rule: |x| >= max + half an ulp of the top binade gives Inf. For
+        # M >= 1 rounding already does that (max's mantissa is odd); for M = 0 the tie at
+        # 1.5 * 2**emax would otherwise go to max, whose exponent field is even.
+        half_ulp = 2.0 ** ((1 << e) - 3 - bias - m)
+        r = np.where((r > max_val) | (ax >= max_val + half_ulp), np.inf, r)
     r = np.where(finite, r, np.where(sat, max_val, np.inf))
     out = np.copysign(r, xd).astype(np.float32)
     return np.where(np.isnan(x), x, out)
