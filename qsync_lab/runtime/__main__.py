@@ -22,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", help="bundled task: digits, mnist1d, tokens, synthetic "
                         "(default: the model's)")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--optimizer", default="sgd", help="sgd (with --momentum) or adamw")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = json.loads(args.model_kwargs) if args.model_kwargs else None
         config = TrainConfig(
             plan=args.plan, run_dir=args.run_dir, model=args.model, model_kwargs=kwargs,
-            data=args.data, steps=args.steps, lr=args.lr, momentum=args.momentum,
+            data=args.data, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+            momentum=args.momentum,
             seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
             deterministic=args.deterministic, warmup_steps=args.warmup_steps,
             profiles=tuple(args.profile))

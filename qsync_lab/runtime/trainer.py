@@ -58,6 +58,8 @@ __all__ = ["DEVICE_KIND_ENV", "TrainConfig", "train"]
 
 DEVICE_KIND_ENV = "QSYNC_DEVICE_KIND"
 MEMORY_STEPS = 2
+#: runtime optimizer -> the simulator's name for it
+OPTIMIZERS = {"sgd": "sgd_momentum", "adamw": "adamw"}
 CHECKPOINT = "checkpoint.pt"
 _MIB = 2**20
 
@@ -73,7 +75,9 @@ class TrainConfig:
         model_kwargs: its keyword arguments (default: the plan's).
         data: bundled task (default: the model's, :func:`~qsync_lab.runtime.tasks.default_task`).
         steps: global training steps.
-        lr, momentum: SGD's.
+        optimizer: ``sgd`` (with ``momentum``) or ``adamw`` (transformers train far
+            better with it).
+        lr, momentum: the learning rate; SGD's momentum.
         seed: model initialisation, data order and split.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``run_dir``'s checkpoint if there is one.
@@ -88,6 +92,7 @@ class TrainConfig:
     model_kwargs: dict[str, Any] | None = None
     data: str | None = None
     steps: int = 100
+    optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
     seed: int = 0
@@ -98,6 +103,9 @@ class TrainConfig:
     profiles: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
+                             f"{', '.join(OPTIMIZERS)}")
         for name in ("steps", "checkpoint_every", "warmup_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "steps" else 0):
@@ -197,8 +205,11 @@ class _Run:
         self.graph = graph
         model = model.to(self.device)
         self.ddp = DistributedDataParallel(model, device_ids=[self.device] if self.cuda else None)
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=self.config.lr,
-                                         momentum=self.config.momentum)
+        if self.config.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=self.config.lr)
+        else:
+            self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=self.config.lr,
+                                             momentum=self.config.momentum)
 
     def _restore(self) -> int:
         path = self.run_dir / CHECKPOINT
@@ -327,7 +338,8 @@ class _Run:
         profiles = self.config.profiles or ((str(data_file("profiles", "cpu.csv")),)
                                             if not self.cuda else ())
         predicted = predict_plan(self.plan, self.graph, self.cluster,
-                                 load_cost_model(*profiles), optimizer="sgd_momentum")
+                                 load_cost_model(*profiles),
+                                 optimizer=OPTIMIZERS[self.config.optimizer])
         measured_ms = max(r["median_step_ms"] for r in ranks)
         predicted_ms = predicted.iteration_us / 1e3
         measured_mem = max(r["peak_memory_bytes"] for r in ranks)

@@ -44,11 +44,14 @@ def test_resume_continues_bit_exactly(tmp_path, single_rank_group):
     plan = _one_rank_plan(tmp_path, {"cpu": {"bert.encoder.layer.0.intermediate.dense": "int8"}},
                           model="bert_mini", task="tokens", **TINY_BERT)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    train(TrainConfig(str(plan), str(whole), steps=12, checkpoint_every=6))
-    train(TrainConfig(str(plan), str(split), steps=6, checkpoint_every=6))
-    halfway = load_checkpoint(split / "checkpoint.pt")["model"]
+    adamw = {"optimizer": "adamw", "lr": 1e-3}  # its two moments must come back too
+    train(TrainConfig(str(plan), str(whole), steps=12, checkpoint_every=6, **adamw))
+    train(TrainConfig(str(plan), str(split), steps=6, checkpoint_every=6, **adamw))
+    halfway = load_checkpoint(split / "checkpoint.pt")
+    assert set(halfway["optimizer"]["state"][0]) >= {"exp_avg", "exp_avg_sq"}
+    halfway = halfway["model"]
     summary = train(TrainConfig(str(plan), str(split), steps=12, checkpoint_every=6,
-                                resume=True))
+                                resume=True, **adamw))
     assert summary["resumed_from"] == 6
     assert [r["step"] for r in read_metrics(split / "metrics.jsonl")] == list(range(12))
     a, b = (torch.load(d / "final.pt")["model"] for d in (whole, split))
@@ -135,7 +138,8 @@ def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
         train(TrainConfig(str(other), str(tmp_path / "run"), steps=3, resume=True))
 
 
-@pytest.mark.parametrize("field, value", [("steps", 0), ("checkpoint_every", -1)])
+@pytest.mark.parametrize("field, value", [("steps", 0), ("checkpoint_every", -1),
+                                          ("optimizer", "lion")])
 def test_bad_config_values(field, value):
     with pytest.raises(QSyncError, match=field):
         TrainConfig("plan.json", **{field: value})
