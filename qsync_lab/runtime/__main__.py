@@ -75,4 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Everything is written (atomically) and the process group destroyed by now. Skip the
+    # interpreter's teardown: destroying gloo's and OpenMP's thread pools in static
+    # destructors intermittently aborts a finished worker ("terminate called without an
+    # active exception", exit -6), which torchrun reports as a failed run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
