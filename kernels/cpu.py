@@ -528,17 +528,12 @@ def _float_round(x, p1, p2, fmt, out):
 @functools.cache
 def _encode_for(fmt):
     F = tuple(int(v) for v in fmt)
+    encode = ff_encode_narrow if floatfmt.is_narrow(F) else ff_encode
 
-    if floatfmt.is_narrow(F):
-        @_jit(parallel=True)
-        def kernel(xb, out):
-            for j in prange(xb.size):
-                out[j] = ff_encode_narrow(xb[j], F)
-    else:
-        @_jit(parallel=True)
-        def kernel(xb, out):
-            for j in prange(xb.size):
-                out[j] = ff_encode(xb[j], F)
+    @_jit(parallel=True)
+    def kernel(xb, out):
+        for j in prange(xb.size):
+            out[j] = encode(xb[j], F)
 
     return kernel
 
@@ -546,34 +541,21 @@ def _encode_for(fmt):
 @functools.cache
 def _round_for(fmt, prescale):
     F = tuple(int(v) for v in fmt)
-    narrow = floatfmt.is_narrow(F)
+    rnd = ff_round_narrow if floatfmt.is_narrow(F) else ff_round
 
-    if prescale and narrow:
+    if prescale:
         @_jit(parallel=True)
         def kernel(x, p1, p2, out):
             p1 = np.float32(p1)
             p2 = np.float32(p2)
             for j in prange(x.size):
-                out[j] = ff_round_narrow(np.float32(x[j] * p1 * p2).view(np.uint32), F)
-    elif prescale:
-        @_jit(parallel=True)
-        def kernel(x, p1, p2, out):
-            p1 = np.float32(p1)
-            p2 = np.float32(p2)
-            for j in prange(x.size):
-                out[j] = ff_round(np.float32(x[j] * p1 * p2).view(np.uint32), F)
-    elif narrow:
-        @_jit(parallel=True)
-        def kernel(x, p1, p2, out):
-            xb = x.view(np.uint32)
-            for j in prange(x.size):
-                out[j] = ff_round_narrow(xb[j], F)
+                out[j] = rnd(np.float32(x[j] * p1 * p2).view(np.uint32), F)
     else:
         @_jit(parallel=True)
         def kernel(x, p1, p2, out):
             xb = x.view(np.uint32)
             for j in prange(x.size):
-                out[j] = ff_round(xb[j], F)
+                out[j] = rnd(xb[j], F)
 
     return kernel
 
