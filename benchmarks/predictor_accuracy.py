@@ -5,7 +5,8 @@ For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per
 1. profile this machine as the 2 DDP ranks will run (2 processes at once, 1 intra-op thread
    each): every op of the three models in fp32, bf16 and int8
    (:func:`qsync_lab.profile.profile_ops_concurrently`),
-   the runtime's casts (fitted per pair, R² printed) and gloo allreduces (α–β fitted);
+   the runtime's casts and DDP's in-place bucket copies (``fp32->fp32``; fitted per pair,
+   R² printed) and gloo allreduces (α–β fitted);
    all written to ``data/profiles/cpu.csv``;
 2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime`` per case (SGD with
    momentum on the synthetic task): median step time and peak tensor memory (profiler
@@ -42,10 +43,11 @@ from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
-from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                               fit_step_overhead, intra_op_threads, link_metadata,
-                               profile_allreduce, profile_casts, profile_ops_concurrently,
-                               run_metadata, step_overhead_metadata, write_device_profile)
+from qsync_lab.profile import (default_cast_sizes, default_copy_sizes, default_sizes,
+                               fit_alpha_beta, fit_casts, fit_step_overhead, intra_op_threads,
+                               link_metadata, profile_allreduce, profile_casts,
+                               profile_ops_concurrently, run_metadata, step_overhead_metadata,
+                               write_device_profile)
 from qsync_lab.runtime.launch import torchrun_command
 from qsync_lab.simulate import PLANNABLE_KINDS
 
@@ -86,7 +88,8 @@ def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
         # one file for three models: FQNs ("conv1", "fc") collide across models, so the
         # rows match by (kind, shapes) only, which is model-independent
         frames.append(rows.assign(op=""))
-    casts = profile_casts(CAST_PAIRS, default_cast_sizes(), repeats=repeats)
+    casts = pd.concat([profile_casts(CAST_PAIRS, default_cast_sizes(), repeats=repeats),
+                       profile_casts([("fp32", "fp32")], default_copy_sizes(), repeats=repeats)])
     cast_fits = fit_casts(casts)
     allreduce = profile_allreduce(default_sizes(), repeats=repeats)
     link_name = load_cluster(CLUSTER).intra_node_links[0].name

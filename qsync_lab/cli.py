@@ -106,11 +106,11 @@ def _cmd_profile(args) -> None:
 
     from qsync_lab.models import example_batch, get_model, model_spec
     from qsync_lab.precision import Precision
-    from qsync_lab.profile import (default_cast_sizes, default_sizes, fit_alpha_beta, fit_casts,
-                                   fit_step_overhead, intra_op_threads, link_metadata,
-                                   profile_allreduce, profile_casts, profile_ops,
-                                   profile_ops_concurrently, run_metadata,
-                                   step_overhead_metadata, write_device_profile)
+    from qsync_lab.profile import (default_cast_sizes, default_copy_sizes, default_sizes,
+                                   fit_alpha_beta, fit_casts, fit_step_overhead,
+                                   intra_op_threads, link_metadata, profile_allreduce,
+                                   profile_casts, profile_ops, profile_ops_concurrently,
+                                   run_metadata, step_overhead_metadata, write_device_profile)
 
     if min(args.batch, args.threads, args.repeats, args.processes) < 1:
         raise QSyncError("--batch, --threads, --repeats and --processes must be positive "
@@ -128,7 +128,9 @@ def _cmd_profile(args) -> None:
                            precisions, repeats=args.repeats)
             # several models share op names (conv1, fc): match their rows by kind and shape
             frames.append(rows.assign(op="") if len(args.model) > 1 else rows)
-        casts = profile_casts(pairs, default_cast_sizes(), repeats=args.repeats)
+        casts = pd.concat([profile_casts(pairs, default_cast_sizes(), repeats=args.repeats),
+                           profile_casts([("fp32", "fp32")], default_copy_sizes(),  # DDP's copies
+                                         repeats=args.repeats)])
         overhead = fit_step_overhead(repeats=args.repeats)
     allreduce = profile_allreduce(default_sizes(), repeats=args.repeats)
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,

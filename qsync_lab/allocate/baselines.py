@@ -19,7 +19,7 @@ Example::
     >>> graph = trace_graph(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()), torch.randn(4, 1024))
     >>> plan = dynamic_batching(graph, load_cluster("v100-t4-small"), CostModel(), None)
     >>> plan.batch_sizes   # the V100s take more of the global batch of 128
-    (47, 47, 17, 17)
+    (51, 51, 13, 13)
 """
 
 import dataclasses

@@ -4,10 +4,10 @@
 allreduce stream and the memory of every class. A one-op change on one device kind only
 changes the classes (device kind, batch size) of that kind, so :class:`PlanEvaluator`
 keeps every class's :class:`~qsync_lab.simulate.ComputeTimeline` and memory and, for a
-trial, rebuilds only the changed kind's classes, then replays the allreduce stream (one
-``max`` per bucket) and the optimizer steps. Allreduce and optimizer durations do not
-depend on the plan (gradients are fp32), so they are read once from one full
-``simulate`` call. The result equals ``simulate(...).iteration_us`` and
+trial, rebuilds only the changed kind's classes, then replays the allreduce stream
+(:func:`~qsync_lab.simulate.replay_allreduces`), the bucket unpacks and the optimizer
+steps. Allreduce, unpack and optimizer durations do not depend on the plan (gradients
+are fp32), so they are computed once. The result equals ``simulate(...).iteration_us`` and
 ``peak_memory_bytes`` exactly (tested).
 
 A trial is a :class:`Proposal`: a new value, nothing changed. :meth:`PlanEvaluator.accept`
@@ -33,14 +33,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import numpy as np
 
 from qsync_lab.cluster import Cluster
 from qsync_lab.costs import CostModel
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import (ComputeTimeline, PreparedGraph, buffer_broadcast,
-                                compute_timeline, memory_breakdown, resolve_precisions,
-                                simulate, validate_plan)
+from qsync_lab.simulate import (ComputeTimeline, PreparedGraph, compute_timeline, ddp_work,
+                                memory_breakdown, replay_allreduces, resolve_precisions,
+                                shares_cores, simulate, sync_costs, validate_plan)
 
 __all__ = ["PlanEvaluator", "Proposal"]
 
@@ -92,12 +91,14 @@ class PlanEvaluator:
         self.devices = {name: cluster.catalog.device(name) for name in cluster.device_kinds}
         self.classes = tuple(sorted({(r.device, r.batch_size) for r in cluster.ranks},
                                     key=lambda c: (cluster.device_kinds.index(c[0]), c[1])))
-        self._broadcast = buffer_broadcast(prepared, cluster, costs)
-        reference = simulate(prepared, named, cluster, costs, optimizer=optimizer)
-        self._allreduce_us = reference.comm.dur_us.tolist()
-        self._optimizer_us = [float(stream.dur_us[-1]) for stream in reference.compute]
-        self._bucket_ops = [np.array([-1 if i is None else i for i in ops], np.int64)
-                            for ops in prepared.bucket_ops][:len(self._allreduce_us)]
+        self._ddp = ddp_work(prepared, cluster, costs)
+        self._allreduce_us = simulate(prepared, named, cluster, costs,
+                                      optimizer=optimizer).comm.dur_us.tolist()
+        self._after_backward_us = []
+        for name, _ in self.classes:
+            unpack, step = sync_costs(prepared, cluster, costs, self.devices[name], optimizer)
+            self._after_backward_us.append(step.us + (unpack.us if unpack else 0.0))
+        self._shared = [shares_cores(self.devices[name]) for name, _ in self.classes]
         self._bucket_bytes = float(prepared.bucket_bytes.sum())
         self._timelines: list[ComputeTimeline] = []
         self._memory: list[float] = []
@@ -166,13 +167,13 @@ class PlanEvaluator:
 
     def pace_us(self, kind: str) -> float:
         """The iteration time if every rank's forward and backward ran like ``kind`` in full
-        precision (fp32, at the rank's batch size). Allreduces and each rank's own
+        precision (fp32, at the rank's batch size). Allreduces, unpacks and each rank's own
         optimizer step stay as they are: no precision plan changes them."""
         device = self.devices[kind]
         work = self.prepared.work
         assignment = resolve_precisions(work, {}, device)
         lines = {batch: compute_timeline(work, assignment, self.costs, device, batch_size=batch,
-                                         broadcast=self._broadcast)
+                                         ddp=self._ddp)
                  for batch in {b for _, b in self.classes}}
         return self._iteration_us([lines[batch] for _, batch in self.classes])
 
@@ -180,25 +181,16 @@ class PlanEvaluator:
         work, device = self.prepared.work, self.devices[kind]
         assignment = resolve_precisions(work, plan, device)
         line = compute_timeline(work, assignment, self.costs, device, batch_size=batch,
-                                broadcast=self._broadcast)
+                                ddp=self._ddp)
         memory = memory_breakdown(work, self.prepared.graph.params, assignment, batch_size=batch,
                                   optimizer=self.optimizer, bucket_bytes=self._bucket_bytes)
         return line, float(sum(memory.values()))
 
     def _iteration_us(self, timelines: list[ComputeTimeline]) -> float:
-        """Replay the allreduce stream and the optimizer steps (as the simulator does)."""
-        comm_end_us = 0.0
-        for dur_us, ops in zip(self._allreduce_us, self._bucket_ops):
-            ready_us = max(_ready_us(line, ops) for line in timelines)
-            comm_end_us = max(ready_us, comm_end_us) + dur_us
-        return max(max(line.backward_end_us, comm_end_us) + opt
-                   for line, opt in zip(timelines, self._optimizer_us))
-
-
-def _ready_us(line: ComputeTimeline, ops: np.ndarray) -> float:
-    """When a class has produced every gradient of a bucket (-1: an unused parameter)."""
-    ready = line.grad_ready_us[ops[ops >= 0]]
-    unused = bool((ops < 0).any())
-    if not len(ready):
-        return line.backward_end_us
-    return max(float(ready.max()), line.backward_end_us) if unused else float(ready.max())
+        """Replay the allreduce stream, the unpacks and the optimizer steps (as the
+        simulator does)."""
+        replay = replay_allreduces([line.bucket_ready_us for line in timelines],
+                                   [line.backward_end_us for line in timelines],
+                                   self._allreduce_us, self._shared)
+        return max(max(end_us, replay.end_us) + after
+                   for end_us, after in zip(replay.backward_end_us, self._after_backward_us))

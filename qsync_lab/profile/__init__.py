@@ -18,7 +18,8 @@ Example::
 
 from qsync_lab.profile.allreduce import (AlphaBetaFit, default_sizes, fit_alpha_beta,
                                          profile_allreduce)
-from qsync_lab.profile.casts import default_cast_sizes, fit_casts, profile_casts
+from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit_casts,
+                                     profile_casts)
 from qsync_lab.profile.concurrent import median_over_processes, profile_ops_concurrently
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import autograd_call_overhead_us, profile_ops
@@ -29,9 +30,9 @@ from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metad
 
 __all__ = [
     "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "default_cast_sizes",
-    "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line", "fit_step_overhead",
-    "intra_op_threads",
-    "link_metadata", "load_cost_model", "median_over_processes", "median_time_us",
-    "profile_allreduce", "profile_casts", "profile_ops", "profile_ops_concurrently",
-    "read_link_fits", "run_metadata", "step_overhead_metadata", "write_device_profile",
+    "default_copy_sizes", "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line",
+    "fit_step_overhead", "intra_op_threads", "link_metadata", "load_cost_model",
+    "median_over_processes", "median_time_us", "profile_allreduce", "profile_casts",
+    "profile_ops", "profile_ops_concurrently", "read_link_fits", "run_metadata",
+    "step_overhead_metadata", "write_device_profile",
 ]

@@ -2,8 +2,10 @@
 
 A conversion from ``src`` to ``dst`` is what the runtime does when an operand held in
 ``src`` is read by a ``dst`` kernel: ``reencode(encode(x, src), src, dst)``
-(:mod:`qsync_lab.runtime.encoding`; int8 includes finding the scale). Each pair is timed
-on fp32 tensors of several sizes; :func:`fit_casts` fits the time per pair with R².
+(:mod:`qsync_lab.runtime.encoding`; int8 includes finding the scale). A pair with
+``src == dst`` is an in-place copy into an existing buffer, as DDP copies gradients into
+and out of its buckets. Each pair is timed on fp32 tensors of several sizes;
+:func:`fit_casts` fits the time per pair with R².
 
 Example::
 
@@ -15,7 +17,7 @@ Example::
     (['fp32->fp16'], True)
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pandas as pd
 import torch
@@ -26,7 +28,7 @@ from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.timing import median_time_us
 from qsync_lab.runtime.encoding import encode, reencode
 
-__all__ = ["default_cast_sizes", "fit_casts", "profile_casts"]
+__all__ = ["default_cast_sizes", "default_copy_sizes", "fit_casts", "profile_casts"]
 
 
 def default_cast_sizes() -> list[int]:
@@ -38,6 +40,18 @@ def default_cast_sizes() -> list[int]:
         (4096, 4)
     """
     return [4**k for k in range(6, 12)]
+
+
+def default_copy_sizes() -> list[int]:
+    """Element counts for DDP's bucket copies (``fp32->fp32``): 4 Ki to 16 Mi, as its
+    buckets hold up to 25 MB (about 6.5 Mi fp32 elements).
+
+    Example::
+
+        >>> default_copy_sizes()[-1] // 2**20
+        16
+    """
+    return [4**k for k in range(6, 13)]
 
 
 def profile_casts(pairs: Sequence[tuple[str, str]], sizes: Sequence[int], *,
@@ -53,9 +67,8 @@ def profile_casts(pairs: Sequence[tuple[str, str]], sizes: Sequence[int], *,
     for src_name, dst_name in pairs:
         src, dst = Precision.parse(src_name), Precision.parse(dst_name)
         for numel in sizes:
-            held = encode(torch.randn(int(numel), generator=generator), src)
-            time_us = median_time_us(lambda: reencode(held, src, dst), repeats=repeats,
-                                     warmup=warmup)
+            run = _conversion(torch.randn(int(numel), generator=generator), src, dst)
+            time_us = median_time_us(run, repeats=repeats, warmup=warmup)
             rows.append({"device": device, "op": "", "kind": "cast", "shape_key": "",
                          "precision": f"{src}->{dst}", "plan_precision": f"{src}->{dst}",
                          "phase": "cast", "batch_size": 0,
@@ -63,6 +76,15 @@ def profile_casts(pairs: Sequence[tuple[str, str]], sizes: Sequence[int], *,
                          "bytes": numel * (src.bits + dst.bits) / 8, "time_us": time_us,
                          "repeats": repeats})
     return pd.DataFrame(rows, columns=list(PROFILE_COLUMNS))
+
+
+def _conversion(values: torch.Tensor, src: Precision, dst: Precision) -> Callable[[], object]:
+    """The timed call: an in-place copy when ``src is dst``, else the runtime's re-encode."""
+    if src is dst:
+        out = torch.empty_like(values)
+        return lambda: out.copy_(values)
+    held = encode(values, src)
+    return lambda: reencode(held, src, dst)
 
 
 def fit_casts(rows: pd.DataFrame) -> dict[str, LineFit]:

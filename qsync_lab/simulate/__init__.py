@@ -20,11 +20,12 @@ from qsync_lab.simulate.policy import (PLANNABLE_KINDS, PrecisionAssignment, res
 from qsync_lab.simulate.prepare import PreparedGraph, prepare_graph
 from qsync_lab.simulate.result import STREAMS, SimResult
 from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
-from qsync_lab.simulate.simulator import buffer_broadcast, simulate
+from qsync_lab.simulate.simulator import ddp_work, simulate, sync_costs
+from qsync_lab.simulate.sync import replay_allreduces, shares_cores
 
 __all__ = [
     "EVENT_COLUMNS", "MEMORY_COMPONENTS", "PLANNABLE_KINDS", "STREAMS", "ComputeTimeline",
-    "PrecisionAssignment", "PreparedGraph", "SimResult", "StreamEvents", "buffer_broadcast",
-    "compute_timeline",
-    "memory_breakdown", "prepare_graph", "resolve_precisions", "simulate", "validate_plan",
+    "PrecisionAssignment", "PreparedGraph", "SimResult", "StreamEvents", "compute_timeline",
+    "ddp_work", "memory_breakdown", "prepare_graph", "replay_allreduces", "resolve_precisions",
+    "shares_cores", "simulate", "sync_costs", "validate_plan",
 ]

@@ -13,6 +13,9 @@ Order of events (one compute stream, so each starts when the previous one ends):
   the weight gradient (``backward_weight``) and, when it is not fp32, its cast to the
   fp32 gradient (``cast:<op>:weight_grad:<q>->fp32``). An op's parameter gradients are
   ready when the last of these ends.
+* on several ranks, DDP's work (:mod:`qsync_lab.simulate.sync`): the buffer broadcast
+  before the forward, and each gradient bucket's pack right after the backward event that
+  completes it.
 
 View ops alias their input and produce no events. Ops with no work in a phase produce no
 event for it. A runtime op casts its own operands, so a time measured by the profiler
@@ -43,11 +46,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qsync_lab.costs import Cost, CostModel, OpWork, batch_scales, phase_work
+from qsync_lab.costs import CostModel, OpWork, batch_scales, phase_work
 from qsync_lab.devices import DeviceSpec
 from qsync_lab.precision import Precision
 from qsync_lab.simulate.events import StreamEvents
 from qsync_lab.simulate.policy import PrecisionAssignment, storage_precision
+from qsync_lab.simulate.sync import DdpWork, copy_time_us
 
 __all__ = ["ComputeTimeline", "compute_timeline"]
 
@@ -60,13 +64,13 @@ class ComputeTimeline:
 
     Attributes:
         events: the events, back to back from 0.
-        grad_ready_us: per op, when its backward is done and its parameter gradients are
-            final (the end of its last backward event, or of the event before it).
+        bucket_ready_us: per DDP bucket, when it is packed and ready for its allreduce
+            (empty on one rank).
         backward_end_us: end of the last backward event.
     """
 
     events: StreamEvents
-    grad_ready_us: np.ndarray
+    bucket_ready_us: np.ndarray
     backward_end_us: float
 
     @property
@@ -116,7 +120,7 @@ class _Builder:
 
 def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostModel,
                      device: DeviceSpec, *, batch_size: int,
-                     broadcast: Cost | None = None) -> ComputeTimeline:
+                     ddp: DdpWork | None = None) -> ComputeTimeline:
     """Build the compute stream of one rank class (see the module docstring).
 
     Args:
@@ -125,8 +129,8 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         costs: the cost model.
         device: the device kind.
         batch_size: the per-rank batch size.
-        broadcast: DDP's broadcast of the buffers from rank 0, which the forward waits for
-            (a first ``ddp:broadcast_buffers`` event); None on one rank or without buffers.
+        ddp: DDP's work on several ranks (:func:`~qsync_lab.simulate.simulator.ddp_work`);
+            None on one rank.
     """
     scale = batch_scales(work, batch_size)
     fwd, bwd = assignment.precision, assignment.backward
@@ -142,6 +146,7 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         casts_inside = measured & costs.casts_in_measured_ops
         timing[phase] = (times, sources, nbytes, casts_inside)
     build = _Builder()
+    broadcast = ddp.broadcast if ddp is not None else None
     if broadcast is not None and broadcast.us > 0:
         build.add("ddp:broadcast_buffers", "", "broadcast", "forward", "", "", broadcast.us, 0.0,
                   broadcast.source)
@@ -150,10 +155,37 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         build.add("framework", "", "framework", "forward", "", "", step_overhead, 0.0,
                   "fit:step overhead")
     input_casts = _forward(build, work, assignment, scale, timing["forward"])
-    marks = _backward(build, work, assignment, scale, timing, input_casts)
+    packs = _Packs(ddp, costs, device)
+    _backward(build, work, assignment, scale, timing, input_casts, packs)
+    packs.add(build, None)
     events = build.finish(costs, device)
     ends = np.concatenate(([0.0], events.end_us))
-    return ComputeTimeline(events, ends[marks], float(ends[-1]))
+    return ComputeTimeline(events, ends[packs.marks()], float(ends[-1]))
+
+
+class _Packs:
+    """DDP's bucket packs: added after the backward event that completes each bucket."""
+
+    def __init__(self, ddp: DdpWork | None, costs: CostModel, device: DeviceSpec) -> None:
+        self.by_op: dict[int | None, list[int]] = defaultdict(list)
+        self.ddp, self.costs, self.device = ddp, costs, device
+        self.ends: dict[int, int] = {}
+        if ddp is not None:
+            for k in range(len(ddp.bucket_bytes)):
+                self.by_op[ddp.last_op(k)].append(k)
+
+    def add(self, build: _Builder, op: int | None) -> None:
+        """Pack the buckets ``op``'s backward completes (None: those left at the end)."""
+        for k in self.by_op.get(op, ()):
+            nbytes = float(self.ddp.bucket_bytes[k])
+            copy = copy_time_us(nbytes, self.costs, self.device)
+            build.add(f"ddp:pack:bucket{k}", "", "ddp", "backward", "fp32", "fp32",
+                      2 * copy.us, 2 * nbytes, copy.source)
+            self.ends[k] = build.mark()
+
+    def marks(self) -> np.ndarray:
+        """Per bucket, how many events exist once it is packed."""
+        return np.array([self.ends[k] for k in range(len(self.ends))], dtype=np.int64)
 
 
 def _forward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
@@ -185,10 +217,9 @@ def _forward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
 
 
 def _backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
-              scale: np.ndarray, timing, input_casts: dict[int, dict[Precision, float]]
-              ) -> np.ndarray:
-    """Backward events; returns per op how many events exist once its backward is done."""
-    marks = np.zeros(len(work), dtype=np.int64)
+              scale: np.ndarray, timing, input_casts: dict[int, dict[Precision, float]],
+              packs: _Packs) -> None:
+    """Backward events, each bucket packed once its last gradient is final."""
     bin_times, bin_sources, bin_bytes, bin_inside = timing["backward_input"]
     bw_times, bw_sources, bw_bytes, bw_inside = timing["backward_weight"]
     for i in reversed(range(len(work))):
@@ -196,8 +227,7 @@ def _backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
             _op_backward(build, work, assignment, scale, i, input_casts[i],
                          (bin_times[i], bin_sources[i], bin_bytes[i], bin_inside[i]),
                          (bw_times[i], bw_sources[i], bw_bytes[i], bw_inside[i]))
-        marks[i] = build.mark()
-    return marks
+        packs.add(build, i)
 
 
 def _op_backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,

@@ -3,16 +3,18 @@
 Per rank there is a compute stream and a communication stream:
 
 1. The compute stream runs forward, casts and backward back to back
-   (:mod:`qsync_lab.simulate.schedule`); on several ranks it first waits for DDP's
-   broadcast of the model's buffers from rank 0 (``broadcast_buffers=True``, DDP's
-   default; :func:`buffer_broadcast`).
+   (:mod:`qsync_lab.simulate.schedule`) with DDP's own work on several ranks
+   (:mod:`qsync_lab.simulate.sync`): the buffer broadcast from rank 0 before the forward
+   (``broadcast_buffers=True``, DDP's default) and each gradient bucket's pack.
 2. The communication stream runs one ring allreduce per DDP gradient bucket, in DDP's
    steady-state bucket order (:func:`qsync_lab.graph.ddp_buckets`). Bucket ``k`` starts
-   once *every* rank has produced all of its gradients and allreduce ``k-1`` has ended, so
-   the slowest rank gates every allreduce; its duration is the ring cost over the slowest
-   link of the ring (ranks in rank order). The last buckets overlap with backward.
-3. The optimizer step starts on each rank when its backward and the last allreduce are
-   done. The iteration ends when the last rank's step ends.
+   once *every* rank has packed it and allreduce ``k-1`` has ended, so the slowest rank
+   gates every allreduce; its duration is the ring cost over the slowest link of the ring
+   (ranks in rank order). The last buckets overlap with backward, except on CPU ranks,
+   whose collectives run on the cores that compute and delay the compute stream.
+3. After its backward and the last allreduce, each rank copies the averaged buckets back
+   (``ddp:unpack``) and runs the optimizer step. The iteration ends when the last rank's
+   step ends.
 
 Ranks with the same device kind and batch size share one compute timeline (the plan is
 per device kind), so the cost grows with the number of such classes plus a linear pass
@@ -48,8 +50,10 @@ from qsync_lab.simulate.policy import KindPlan, resolve_precisions, validate_pla
 from qsync_lab.simulate.prepare import PreparedGraph, prepare_graph
 from qsync_lab.simulate.result import SimResult
 from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
+from qsync_lab.simulate.sync import (AllreduceReplay, DdpWork, copy_time_us, replay_allreduces,
+                                     shares_cores)
 
-__all__ = ["simulate"]
+__all__ = ["ddp_work", "simulate", "sync_costs"]
 
 _US_PER_S = 1e6
 
@@ -82,17 +86,21 @@ def simulate(graph: "OpGraph | PreparedGraph", plan: Mapping[str, KindPlan], clu
                      key=lambda c: (cluster.device_kinds.index(c[0]), c[1]))
     assignments = {name: resolve_precisions(work, planned, devices[name])
                    for name, planned in kinds.items()}
-    broadcast = buffer_broadcast(prepared, cluster, costs)
+    ddp = ddp_work(prepared, cluster, costs)
     timelines = [compute_timeline(work, assignments[name], costs, devices[name],
-                                  batch_size=batch, broadcast=broadcast)
+                                  batch_size=batch, ddp=ddp)
                  for name, batch in classes]
-    comm = _allreduce_stream(prepared, timelines, costs, cluster)
-    comm_end_us = float(comm.end_us[-1]) if len(comm) else 0.0
+    allreduce = _allreduce_costs(prepared, cluster, costs)
+    replay = replay_allreduces([line.bucket_ready_us for line in timelines],
+                               [line.backward_end_us for line in timelines],
+                               [c.us for c in allreduce],
+                               [shares_cores(devices[name]) for name, _ in classes])
+    comm = _allreduce_stream(prepared, replay, allreduce)
     compute = tuple(
-        _with_optimizer(line, max(line.backward_end_us, comm_end_us), optimizer,
-                        costs.optimizer_time_us(prepared.grad_param_bytes, optimizer,
-                                                devices[name]), prepared.grad_param_bytes)
-        for line, (name, _) in zip(timelines, classes))
+        _finish_iteration(line, replay, i, optimizer,
+                          *sync_costs(prepared, cluster, costs, devices[name], optimizer),
+                          prepared.grad_param_bytes)
+        for i, (line, (name, _)) in enumerate(zip(timelines, classes)))
     iteration_us = max(float(stream.end_us[-1]) for stream in compute)
     class_index = {c: i for i, c in enumerate(classes)}
     class_of_rank = np.array([class_index[(r.device, r.batch_size)] for r in cluster.ranks])
@@ -129,41 +137,43 @@ def _prepared(graph: "OpGraph | PreparedGraph", bucket_cap_mb: float | None) -> 
     return graph
 
 
-def buffer_broadcast(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> Cost | None:
-    """DDP's broadcast of the model's buffers from rank 0 before every forward (its default
-    ``broadcast_buffers=True``); None on one rank or for a model without buffers."""
-    if cluster.world_size == 1 or not prepared.graph.buffer_bytes:
+def ddp_work(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> DdpWork | None:
+    """What DDP adds to every rank's compute stream; None on one rank."""
+    if cluster.world_size == 1:
         return None
-    return costs.broadcast_time_us(prepared.graph.buffer_bytes, cluster.world_size,
-                                   _ring_links(cluster))
+    broadcast = (costs.broadcast_time_us(prepared.graph.buffer_bytes, cluster.world_size,
+                                         _ring_links(cluster))
+                 if prepared.graph.buffer_bytes else None)
+    return DdpWork(broadcast, prepared.bucket_ops, prepared.bucket_bytes)
 
 
-def _allreduce_stream(prepared: PreparedGraph, timelines: list[ComputeTimeline],
-                      costs: CostModel, cluster: Cluster) -> StreamEvents:
-    """One allreduce per bucket: start = max(every class's ready time, previous end)."""
-    if cluster.world_size == 1 or not len(prepared.bucket_bytes):
-        return StreamEvents.empty()
+def sync_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, device,
+               optimizer: str) -> tuple[Cost | None, Cost]:
+    """A rank's costs after the backward: the bucket unpack (None on one rank) and the
+    optimizer step. They do not depend on the precision plan (gradients are fp32)."""
+    unpack = (copy_time_us(float(prepared.bucket_bytes.sum()), costs, device)
+              if cluster.world_size > 1 and len(prepared.bucket_bytes) else None)
+    return unpack, costs.optimizer_time_us(prepared.grad_param_bytes, optimizer, device)
+
+
+def _allreduce_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> list[Cost]:
+    if cluster.world_size == 1:
+        return []
     links = _ring_links(cluster)
-    start, dur, source = [], [], []
-    end_us = 0.0
-    for size, ops in zip(prepared.bucket_bytes, prepared.bucket_ops):
-        ready_us = max(_bucket_ready_us(line, ops) for line in timelines)
-        cost = costs.allreduce_time_us(size, cluster.world_size, links)
-        begin = max(ready_us, end_us)
-        end_us = begin + cost.us
-        start.append(begin)
-        dur.append(cost.us)
-        source.append(cost.source)
-    n = len(start)
+    return [costs.allreduce_time_us(size, cluster.world_size, links)
+            for size in prepared.bucket_bytes]
+
+
+def _allreduce_stream(prepared: PreparedGraph, replay: AllreduceReplay,
+                      allreduce: list[Cost]) -> StreamEvents:
+    """One allreduce event per bucket, as replayed."""
+    n = len(allreduce)
+    if not n:
+        return StreamEvents.empty()
     return StreamEvents.from_lists([f"allreduce:bucket{k}" for k in range(n)], [""] * n,
                                    ["allreduce"] * n, ["backward"] * n, ["fp32"] * n,
-                                   ["fp32"] * n, source, start, dur, prepared.bucket_bytes)
-
-
-def _bucket_ready_us(line: ComputeTimeline, ops: tuple[int | None, ...]) -> float:
-    """When a class has produced every gradient of a bucket (unused params: backward end)."""
-    return max(line.backward_end_us if i is None else float(line.grad_ready_us[i])
-               for i in ops)
+                                   ["fp32"] * n, [c.source for c in allreduce],
+                                   replay.begin_us, replay.dur_us, prepared.bucket_bytes)
 
 
 def _ring_links(cluster: Cluster) -> list[LinkSpec]:
@@ -179,12 +189,26 @@ def _ring_links(cluster: Cluster) -> list[LinkSpec]:
     return links
 
 
-def _with_optimizer(line: ComputeTimeline, start_us: float, optimizer: str, cost: Cost,
-                    param_bytes: float) -> StreamEvents:
-    """The class's compute stream with the optimizer step appended at ``start_us``."""
+def _finish_iteration(line: ComputeTimeline, replay: AllreduceReplay, index: int,
+                      optimizer: str, unpack: Cost | None, step: Cost,
+                      param_bytes: float) -> StreamEvents:
+    """Class ``index``'s compute stream with the replay's delays, then the bucket unpack and
+    the optimizer step once its backward and the last allreduce are done."""
     e = line.events
+    start_us, dur_us = replay.delayed(index, e.start_us, e.dur_us)
+    begin_us = max(replay.backward_end_us[index], replay.end_us)
+    tail = [(f"optimizer:{optimizer}", "optimizer", "optimizer", step, param_bytes)]
+    if unpack is not None:
+        tail.insert(0, ("ddp:unpack", "ddp", "backward", unpack, param_bytes))
+    tail_start, tail_dur = [], []
+    for *_, cost, _ in tail:
+        tail_start.append(begin_us)
+        tail_dur.append(cost.us)
+        begin_us += cost.us
     return StreamEvents(
-        e.op + (f"optimizer:{optimizer}",), e.fqn + ("",), e.category + ("optimizer",),
-        e.phase + ("optimizer",), e.precision + ("fp32",), e.plan_precision + ("fp32",),
-        e.source + (cost.source,), np.append(e.start_us, start_us), np.append(e.dur_us, cost.us),
-        np.append(e.bytes, param_bytes))
+        e.op + tuple(t[0] for t in tail), e.fqn + ("",) * len(tail),
+        e.category + tuple(t[1] for t in tail), e.phase + tuple(t[2] for t in tail),
+        e.precision + ("fp32",) * len(tail), e.plan_precision + ("fp32",) * len(tail),
+        e.source + tuple(t[3].source for t in tail),
+        np.append(start_us, tail_start), np.append(dur_us, tail_dur),
+        np.append(e.bytes, [t[4] for t in tail]))

@@ -48,3 +48,23 @@ def test_pace_of_the_fast_kind_equals_the_all_fp32_iteration_when_it_is_the_slow
     evaluator = PlanEvaluator(prepared, cluster, costs)
     assert evaluator.pace_us("T4") == pytest.approx(evaluator.iteration_us)
     assert evaluator.pace_us("V100-SXM2-32GB") < evaluator.iteration_us
+
+
+def test_incremental_evaluation_equals_simulate_on_cpu_ranks(small_case):
+    """local-hybrid emulated on the CPU: the allreduces delay the compute they share cores
+    with, in the evaluator's replay as in the simulator."""
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.runtime.prediction import emulation_view
+
+    prepared, _, costs, scores = small_case
+    cluster, costs = emulation_view(load_cluster("local-hybrid"), costs)
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    index = {name: i for i, name in enumerate(prepared.work.names)}
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        plan = _random_plan(prepared, scores, rng)
+        evaluator.accept(evaluator.propose_plan(
+            "T4", {index[op]: p for op, p in plan["T4"].items()}))
+        sim = simulate(prepared, plan, cluster, costs)
+        assert (sim.events["category"] == "ddp").any()
+        assert evaluator.iteration_us == pytest.approx(sim.iteration_us, rel=1e-12)

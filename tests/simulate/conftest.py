@@ -2,7 +2,9 @@
 
 Every op phase of the MLP takes ``FAST_US`` on the V100 and ``SLOW_US`` on the T4 (a
 profile overrides the roofline), every cast takes ``CAST_US`` (a fitted line with zero
-slope), and the link moves one 288-byte bucket between two ranks in ``ALLREDUCE_US``.
+slope; an ``fp32->fp32`` in-place copy too, so DDP packs a bucket in ``2 * CAST_US`` and
+unpacks the buckets in ``CAST_US``), and the link moves one 288-byte bucket between two
+ranks in ``ALLREDUCE_US``.
 """
 
 import dataclasses
@@ -74,7 +76,8 @@ def profile_rows(graph, times_us: dict[str, float], batch_size: int = BATCH,
                                  "batch_size": batch_size, "numel": 0, "flops": flops[i],
                                  "bytes": nbytes[i], "time_us": time_us, "repeats": 5})
     for device in times_us:
-        for src, dst in [(a, b) for a in Precision for b in Precision if a is not b]:
+        for src, dst in [(a, b) for a in Precision for b in Precision
+                         if a is not b or a is Precision.FP32]:
             for numel in (1000, 2000):
                 rows.append({"device": device, "op": "", "kind": "cast", "shape_key": "",
                              "precision": f"{src}->{dst}", "phase": "cast",
@@ -85,8 +88,8 @@ def profile_rows(graph, times_us: dict[str, float], batch_size: int = BATCH,
 
 @pytest.fixture
 def round_costs(graph, tmp_path) -> CostModel:
-    """Every op phase: 10 us on the V100, 20 us on the T4; every cast 1 us (its own event:
-    these made-up op times hold no casts)."""
+    """Every op phase: 10 us on the V100, 20 us on the T4; every cast and copy 1 us (its own
+    event: these made-up op times hold no casts)."""
     path = tmp_path / "profile.csv"
     write_profile(path, profile_rows(graph, {FAST: FAST_US, SLOW: SLOW_US}),
                   {"torch_version": torch.__version__})

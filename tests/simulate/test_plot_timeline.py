@@ -12,7 +12,7 @@ def test_bars_match_events(graph, make_cluster, round_costs):
     sim = simulate(graph, {SLOW: {"2": "fp16"}}, make_cluster([FAST, SLOW]), round_costs)
     fig = plot_timeline(sim, color_by="category")
     assert fig.layout.xaxis.type == "linear"
-    assert {t.name for t in fig.data} == {"op", "cast", "allreduce", "optimizer"}
+    assert {t.name for t in fig.data} == {"op", "cast", "ddp", "allreduce", "optimizer"}
     assert all(t.orientation == "h" for t in fig.data)
     bars = sum(len(t.x) for t in fig.data)
     assert bars == len(sim.events)

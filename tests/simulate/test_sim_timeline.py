@@ -48,36 +48,71 @@ def test_last_bucket_allreduce_overlaps_backward(graph, make_cluster, round_cost
     sim = simulate(graph, {}, make_cluster([FAST, FAST]), round_costs,
                    bucket_cap_mb=BUCKET_CAP_MB)
     comm = _comm(sim)
-    t = FAST_US
+    t, pack = FAST_US, 2 * CAST_US
     assert comm["op"].tolist() == ["allreduce:bucket0", "allreduce:bucket1", "allreduce:bucket2"]
-    # bucket 0 holds layer 4, ready at 7T, and runs while layers 3..0 still run backward
-    assert comm["start_us"].tolist() == pytest.approx([7 * t, 7 * t + ALLREDUCE_US,
-                                                       7 * t + 2 * ALLREDUCE_US])
+    # bucket 0 holds layer 4, packed at 7T + pack, and runs while layers 3..0 still run
+    # backward (each later bucket's pack also on the compute stream)
+    assert comm["start_us"].tolist() == pytest.approx([7 * t + pack, 7 * t + pack + ALLREDUCE_US,
+                                                       7 * t + pack + 2 * ALLREDUCE_US])
     assert comm["dur_us"].tolist() == pytest.approx([ALLREDUCE_US] * 3)
-    backward_end = 12 * t
+    compute = _compute(sim, 0)
+    packs = compute.query("category == 'ddp'")
+    assert packs["op"].tolist() == ["ddp:pack:bucket0", "ddp:pack:bucket1", "ddp:pack:bucket2",
+                                    "ddp:unpack"]
+    assert packs["start_us"].tolist()[:3] == pytest.approx(
+        [7 * t, 10 * t + pack, 12 * t + 2 * pack])
+    backward_end = 12 * t + 3 * pack
     assert comm["start_us"][0] < backward_end
-    optimizer = _compute(sim, 0).iloc[-1]
-    assert optimizer["start_us"] == pytest.approx(7 * t + 3 * ALLREDUCE_US)
+    # GPU ranks: the allreduces do not delay the backward
+    assert compute.query("phase == 'backward_weight'")["start_us"].iloc[-1] == pytest.approx(
+        11 * t + 2 * pack)
+    unpack, optimizer = compute.iloc[-2], compute.iloc[-1]
+    assert unpack["start_us"] == pytest.approx(7 * t + pack + 3 * ALLREDUCE_US)
+    assert optimizer["start_us"] == pytest.approx(unpack["start_us"] + CAST_US)
     assert sim.iteration_us == pytest.approx(optimizer["start_us"] + optimizer["dur_us"])
+
+
+def test_cpu_allreduce_delays_the_compute_it_shares_cores_with(graph, make_cluster, tmp_path):
+    """On CPU ranks gloo reduces on the computing cores: each allreduce delays every compute
+    event that starts after it by its duration."""
+    path = tmp_path / "cpu.csv"
+    write_profile(path, profile_rows(graph, {"cpu": FAST_US}), {"torch_version": "test"})
+    costs = dataclasses.replace(CostModel.from_profiles(path, calibrate=False),
+                                casts_in_measured_ops=False)
+    sim = simulate(graph, {}, make_cluster(["cpu", "cpu"]), costs, bucket_cap_mb=BUCKET_CAP_MB)
+    t, pack, a = FAST_US, 2 * CAST_US, ALLREDUCE_US
+    comm, compute = _comm(sim), _compute(sim, 0)
+    # bucket 1 is packed at 10T + 2 packs of compute, after allreduce 0 delayed it by A
+    assert comm["start_us"].tolist() == pytest.approx(
+        [7 * t + pack, 10 * t + 2 * pack + a, 12 * t + 3 * pack + 2 * a])
+    starts = compute.set_index(["op", "phase"])["start_us"]
+    assert starts[("3", "backward_input")] == pytest.approx(7 * t + pack + a)
+    assert starts[("1", "backward_input")] == pytest.approx(10 * t + 2 * pack + 2 * a)
+    unpack, optimizer = compute.iloc[-2], compute.iloc[-1]
+    assert unpack["op"] == "ddp:unpack"
+    assert unpack["start_us"] == pytest.approx(12 * t + 3 * pack + 3 * a)
+    assert sim.iteration_us == pytest.approx(unpack["start_us"] + CAST_US + optimizer["dur_us"])
+    assert_no_overlap(sim.events)
 
 
 def test_slow_rank_gates_every_allreduce(graph, make_cluster, round_costs):
     sim = simulate(graph, {}, make_cluster([FAST, SLOW]), round_costs,
                    bucket_cap_mb=BUCKET_CAP_MB)
     comm = _comm(sim)
-    slow_ready = [7 * SLOW_US, 10 * SLOW_US, 12 * SLOW_US]  # 140, 200, 240
+    pack = 2 * CAST_US
+    slow_ready = [7 * SLOW_US + pack, 10 * SLOW_US + 2 * pack, 12 * SLOW_US + 3 * pack]
     # bucket k starts at max(slowest rank's readiness, end of allreduce k-1)
-    expected_start = [140.0, 240.0, 340.0]
+    expected_start = [142.0, 242.0, 342.0]
     assert comm["start_us"].tolist() == pytest.approx(expected_start)
     assert all(s >= r for s, r in zip(comm["start_us"], slow_ready))
-    assert all(s > 12 * FAST_US for s in comm["start_us"][1:])  # the fast rank waits
-    comm_end = 340.0 + ALLREDUCE_US
+    assert all(s > 12 * FAST_US + 3 * pack for s in comm["start_us"][1:])  # the fast rank waits
+    comm_end = 342.0 + ALLREDUCE_US
     optimizer_us = max(round_costs.optimizer_time_us(3 * 288, "sgd", load_cluster(
         "v100-t4-small").catalog.device(d)).us for d in (FAST, SLOW))
-    assert sim.iteration_us == pytest.approx(comm_end + optimizer_us)
+    assert sim.iteration_us == pytest.approx(comm_end + CAST_US + optimizer_us)
     assert sim.idle_us[0] > sim.idle_us[1]
-    assert sim.idle_us[1] == pytest.approx(sim.iteration_us - 12 * SLOW_US -
-                                           _compute(sim, 1)["dur_us"].iloc[-1])
+    assert sim.idle_us[1] == pytest.approx(sim.iteration_us - 12 * SLOW_US - 3 * pack - CAST_US
+                                           - _compute(sim, 1)["dur_us"].iloc[-1])
 
 
 def test_mixed_plan_puts_casts_exactly_at_boundaries(graph, make_cluster, round_costs):
