@@ -1,6 +1,7 @@
 """Forward+backward latency of the low-precision operators beside the plain fp32 module.
 
 Run: ``.venv/bin/python benchmarks/qops.py [--device cpu|cuda] [--repeats 10] [--out FILE]``
+(add ``--ops matmul linear`` to run only those op kinds).
 
 For each op kind at a BERT-base or ResNet shape and each precision, the op (a fresh copy of
 the fp32 module with ``apply_plan_`` applied) runs forward and backward (gradients of the
@@ -20,6 +21,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
@@ -38,6 +40,7 @@ PRECISIONS = {
     "fp8_e4m3": "fp8_e4m3",
 }
 WARMUP = 3
+OPS = ("linear", "conv2d", "matmul", "embedding")
 
 
 def _cases(device):
@@ -85,11 +88,14 @@ def _interleaved_ms(steps, repeats, sync):
     return [statistics.median(samples) * 1e3 for samples in times]
 
 
-def run(device: str, repeats: int) -> pd.DataFrame:
-    """One row per (op, shape, precision): median fwd+bwd ms and the ratio to fp32."""
+def run(device: str, repeats: int, ops: Sequence[str] = OPS) -> pd.DataFrame:
+    """One row per (op, shape, precision) of the ``ops`` kinds: median fwd+bwd ms and the
+    ratio to fp32."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for op, shape, module, inputs in _cases(device):
+        if op not in ops:
+            continue
         module = module.to(device)
         labels, steps = ["fp32 (plain)"], [_step(module, inputs)]
         for label, value in PRECISIONS.items():
@@ -108,13 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--ops", nargs="+", default=OPS, choices=OPS, help="op kinds to run")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
     where = torch.cuda.get_device_name() if args.device == "cuda" else (
         f"CPU, {torch.get_num_threads()} torch threads")
-    table = run(args.device, args.repeats)
+    table = run(args.device, args.repeats, args.ops)
     text = (f"torch {torch.__version__}, {where}; median of {args.repeats} after {WARMUP} "
             f"warm-up runs\n{table.to_string(index=False, float_format=lambda v: f'{v:.2f}')}\n")
     print(text, end="")

@@ -97,6 +97,8 @@ ff_encode = _ff.encode
 ff_round = _ff.round_bits
 ff_encode_narrow = _ff.encode_narrow
 ff_round_narrow = _ff.round_narrow
+ff_round_wide = _ff.round_wide
+ff_cast_value = _ff.cast_value
 exp_dither_code = _ff.exp_dither_code
 rng_bits = njit(rng.rng_bits)
 
@@ -393,6 +395,21 @@ def dequantize(q, scales, inner, nch, out):
     _dequantize(q, scales, inner, nch, _NOVEC if vec is None else vec, _nchunks(q.size), out)
 
 
+@_jit(parallel=True, error_model="numpy")
+def dequantize_rounded(q, scales, fmt, out):
+    """``q * s`` (one scale, ``scales[0]``) rounded to ``fmt``: a lookup in a table of the
+    256 codes' values, so it costs what ``dequantize`` does."""
+    s = scales[0]
+    table = np.empty(256, dtype=np.float32)
+    bits = table.view(np.uint32)
+    for c in range(256):
+        table[c] = np.float32(c - 256 if c >= 128 else c) * s
+        bits[c] = ff_round(bits[c], fmt)
+    qu = q.view(np.uint8)
+    for j in prange(q.size):
+        out[j] = table[qu[j]]
+
+
 _FQ_BLOCK = 512
 
 
@@ -501,7 +518,8 @@ def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out)
 # Numba's cache key), small ones the generic kernel. Formats with 2 <= E <= 7 and
 # 1 <= M <= 22 (fp16, both fp8, most CPD formats) use ``floatfmt``'s ``*_narrow`` twins,
 # which give the same bits for all 2**32 inputs in about half the operations (one FPU
-# rounding instead of separate normal/subnormal/overflow paths).
+# rounding instead of separate normal/subnormal/overflow paths); rounding to an E = 8 format
+# (bf16, tf32) uses ``round_wide``, a few integer operations (also checked on all inputs).
 SPECIALIZE_MIN = 1 << 18
 
 
@@ -538,10 +556,17 @@ def _encode_for(fmt):
     return kernel
 
 
+def _round_fn(fmt):
+    """The fastest of ``floatfmt``'s equivalent rounding functions for ``fmt``."""
+    if floatfmt.is_narrow(fmt):
+        return ff_round_narrow
+    return ff_round_wide if floatfmt.is_wide(fmt) else ff_round
+
+
 @functools.cache
 def _round_for(fmt, prescale):
     F = tuple(int(v) for v in fmt)
-    rnd = ff_round_narrow if floatfmt.is_narrow(F) else ff_round
+    rnd = _round_fn(F)
 
     if prescale:
         @_jit(parallel=True)
@@ -578,6 +603,51 @@ def float_round(x, p1, p2, fmt, out):
         _round_for(tuple(fmt), bool(prescale))(x, p1, p2, out)
     else:
         _float_round(x, p1, p2, tuple(fmt), out)
+
+
+@_jit(parallel=True)
+def float_decode(codes, table, out):
+    """float32 values of format codes (uint8 or uint16): ``table[codes]``."""
+    for j in prange(codes.size):
+        out[j] = table[codes[j]]
+
+
+@_jit(parallel=True, error_model="numpy")
+def _float_quantize(x, scales, fmt, codes, values):
+    s = scales[0]
+    for j in prange(x.size):
+        b = np.float32(x[j] / s).view(np.uint32)
+        c = ff_encode(b, fmt)
+        codes[j] = c
+        values[j] = ff_cast_value(b, c, ff_round(b, fmt), fmt)
+
+
+@functools.cache
+def _quantize_float_for(fmt):
+    F = tuple(int(v) for v in fmt)
+    encode = ff_encode_narrow if floatfmt.is_narrow(F) else ff_encode
+    rnd = _round_fn(F)
+
+    @_jit(parallel=True, error_model="numpy")
+    def kernel(x, scales, codes, values):
+        s = scales[0]
+        for j in prange(x.size):
+            b = np.float32(x[j] / s).view(np.uint32)
+            c = encode(b, F)
+            codes[j] = c
+            values[j] = ff_cast_value(b, c, rnd(b, F), F)
+
+    return kernel
+
+
+def float_quantize(x, scales, fmt, codes, values):
+    """Codes of float32 ``x / scales[0]`` in ``fmt`` (uint8 or uint16) and the float32 bits
+    of their values (uint32 ``values``), in one pass: the rounding shares the encoding's
+    arithmetic."""
+    if x.size >= SPECIALIZE_MIN:
+        _quantize_float_for(tuple(fmt))(x, scales, codes, values)
+    else:
+        _float_quantize(x, scales, tuple(fmt), codes, values)
 
 
 # ----------------------------------------------------------------------------- compression

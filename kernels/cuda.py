@@ -21,6 +21,7 @@ _device = cuda.jit(device=True)
 _ff = floatfmt.build(_device)
 ff_encode = _ff.encode
 ff_round = _ff.round_bits
+ff_cast_value = _ff.cast_value
 exp_dither_code = _ff.exp_dither_code
 rng_bits = _device(rng.rng_bits)
 
@@ -141,6 +142,22 @@ def _fake_quantize_kernel(x, scales, inner, nch, stochastic, key, out_fmt, out, 
 def _float_encode_kernel(xb, fmt, out):
     for j in range(cuda.grid(1), xb.size, cuda.gridsize(1)):
         out[j] = ff_encode(xb[j], fmt)
+
+
+@cuda.jit
+def _float_decode_kernel(codes, table, out):
+    for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
+        out[j] = table[codes[j]]
+
+
+@cuda.jit
+def _float_quantize_kernel(x, scales, fmt, codes, values):
+    s = scales[0]
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        b = np.float32(x[j] / s).view(np.uint32)
+        c = ff_encode(b, fmt)
+        codes[j] = c
+        values[j] = ff_cast_value(b, c, ff_round(b, fmt), fmt)
 
 
 @cuda.jit
@@ -287,6 +304,14 @@ def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out)
 
 def float_encode(xb, fmt, out):
     _float_encode_kernel[_blocks(xb.size), TPB](xb, fmt, out)
+
+
+def float_decode(codes, table, out):
+    _float_decode_kernel[_blocks(codes.size), TPB](codes, table, out)
+
+
+def float_quantize(x, scales, fmt, codes, values):
+    _float_quantize_kernel[_blocks(x.size), TPB](x, scales, fmt, codes, values)
 
 
 def float_round(x, p1, p2, fmt, out):

@@ -29,8 +29,11 @@ one of the 2**32 inputs (checked exhaustively for fp16, both fp8 and CPD formats
 ``is_narrow(fmt)`` (2 <= E <= 7, 1 <= M <= 22), in about half the operations: one FPU rounding
 of the clamped magnitude covers the normal, subnormal and overflow ranges, and no subnormal
 float32 is created (those take slow microcode assists on x86, and would make the speed depend
-on the data). The CPU kernels use them for those formats. ``exp_dither_code`` is Global-QSGD's exponential-dithering encoder,
-shared by the CPU and CUDA kernels.
+on the data). The CPU kernels use them for those formats, and ``round_wide`` (RNE on the
+float32 bits, also checked on all 2**32 inputs) for E = 8 formats (bf16, tf32).
+``cast_value`` gives the float32 bits torch widens an encoded value to (NaNs included).
+``exp_dither_code`` is Global-QSGD's exponential-dithering encoder, shared by the CPU and
+CUDA kernels.
 
 ``build(jit)`` compiles the set with a Numba decorator (``njit`` or
 ``cuda.jit(device=True)``); the plain functions are the simulator's and the tests' versions.
@@ -155,6 +158,22 @@ def _make_decode(consts):
     return decode
 
 
+def _make_cast_value(consts):
+    def cast_value(b, code, r, fmt):
+        """Return the float32 bits of ``code``, the ``encode`` of float32 bits ``b``, given
+        ``r``, b rounded to ``fmt``: that is ``r``, except for a NaN, whose code torch widens
+        to its sign, the all-ones exponent and its mantissa at the top of float32's (the NaN
+        codes ``encode`` makes have the quiet bit set, or are all ones).
+        """
+        sh, _, _, _, _, _, _, _, _, _, sign_sh, mag_mask, _, norm_min = consts(fmt)
+        code = u32(code)
+        sign = u32(u32(code & u32(mag_mask + 1)) << u32(sign_sh))
+        nan = u32(sign | u32(0x7F800000) | u32(u32(code & u32(norm_min - 1)) << u32(sh)))
+        return u32(r) if u32(u32(b) & u32(0x7FFFFFFF)) <= u32(0x7F800000) else nan
+
+    return cast_value
+
+
 def _make_round(enc, dec):
     def round_bits(b, fmt):
         """Return the float32 bits of ``b`` rounded to ``fmt`` (NaN bits unchanged)."""
@@ -172,6 +191,26 @@ def is_narrow(fmt):
     tie-to-even picks the even code (with M = 0 the code is the exponent field, whose parity
     is not the sum's last bit)."""
     return 2 <= fmt[0] <= 7 and 1 <= fmt[1] <= 22
+
+
+def is_wide(fmt):
+    """Whether ``round_wide`` applies to ``fmt``: E = 8 (bf16, tf32), IEEE-like, 1 <= M <= 22.
+
+    The format's exponent field is then float32's, so rounding to it is RNE on the float32
+    bits themselves, subnormals included, and a carry out of the top binade lands on Inf.
+    """
+    return fmt[0] == 8 and fmt[2] == 0 and 1 <= fmt[1] <= 22
+
+
+def round_wide(b, fmt):
+    """``round_bits`` for ``is_wide`` formats (the same bits for every input): RNE of the
+    magnitude's bits (below 2**31 even after the carry, so no lane overflows), sign kept."""
+    sh = u32(23 - fmt[1])
+    b = u32(b)
+    a = u32(b & u32(0x7FFFFFFF))
+    half_m1 = u32(u32(u32(1) << u32(sh - u32(1))) - u32(1))
+    r = u32(u32(u32(u32(a + half_m1) + u32(u32(a >> sh) & u32(1))) >> sh) << sh)
+    return b if a > u32(0x7F800000) else u32(r | u32(b & u32(0x80000000)))
 
 
 def _make_narrow_constants(consts):
@@ -246,6 +285,7 @@ def _make_narrow(nconsts, magic_sum):
 
 encode = _make_encode(constants)
 decode = _make_decode(constants)
+cast_value = _make_cast_value(constants)
 round_bits = _make_round(encode, decode)
 narrow_constants = _make_narrow_constants(constants)
 encode_narrow, round_narrow = _make_narrow(narrow_constants, _make_magic_sum(narrow_constants))
@@ -285,5 +325,6 @@ def build(jit):
     nconsts = jit(_make_narrow_constants(consts))
     enc_n, round_n = (jit(f) for f in _make_narrow(nconsts, jit(_make_magic_sum(nconsts))))
     return SimpleNamespace(encode=enc, decode=dec, round_bits=jit(_make_round(enc, dec)),
-                           encode_narrow=enc_n, round_narrow=round_n,
+                           encode_narrow=enc_n, round_narrow=round_n, round_wide=jit(round_wide),
+                           cast_value=jit(_make_cast_value(consts)),
                            exp_dither_code=jit(exp_dither_code))

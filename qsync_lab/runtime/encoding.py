@@ -9,8 +9,10 @@ FP8 scaling (the standard FP8 training recipe, as in torchao's Float8Linear): pe
 dynamic scale ``s = amax / max_finite(format)`` (1 for an all-zero tensor), stored values
 ``x / s`` cast to the format (RNE; |x / s| exceeds the largest finite value by at most an
 fp32 rounding, which the cast rounds back), dequantized value ``v · s``. Forward operands
-use e4m3, gradients e5m2 (see ``config.DEFAULT_BACKWARD``). On the CPU, fp8 values are
-widened to fp32 through a 256-entry table (torch's CPU fp8→fp32 cast is ~10x slower).
+use e4m3, gradients e5m2 (see ``config.DEFAULT_BACKWARD``). The scaled cast also returns
+the values widened to fp32 (``qsync_lab.kernels.float_quantize``, one pass), which the
+emulated product reads; large saved fp8 tensors are widened by
+``qsync_lab.kernels.float_decode`` (torch's CPU fp8→fp32 cast is ~10x slower).
 
 Example::
 
@@ -28,7 +30,14 @@ from typing import NamedTuple
 
 import torch
 
-from qsync_lab.kernels import absmax, dequantize_int8, float_encode, float_round, quantize_int8
+from qsync_lab.kernels import (
+    absmax,
+    dequantize_int8,
+    float_decode,
+    float_quantize,
+    float_round,
+    quantize_int8,
+)
 from qsync_lab.precision import Precision
 
 TF32_FORMAT = (8, 10)
@@ -39,27 +48,30 @@ TORCH_DTYPES = {
     Precision.FP8_E5M2: torch.float8_e5m2,
 }
 FP8_MAX = {p: torch.finfo(TORCH_DTYPES[p]).max for p in (Precision.FP8_E4M3, Precision.FP8_E5M2)}
-_FP8_TABLES = {
-    TORCH_DTYPES[p]: torch.arange(256, dtype=torch.uint8).view(TORCH_DTYPES[p]).float()
-    for p in FP8_MAX
-}
+_FP8_DTYPES = frozenset(TORCH_DTYPES[p] for p in FP8_MAX)
 #: formats an operator's output (or gradient) is rounded to; everything else returns fp32
 ROUNDED_OUTPUTS = frozenset({Precision.FP16, Precision.BF16})
+#: elements from which a CPU kernel pass beats torch's casts (a launch costs ~20-50 µs)
+ONE_PASS_MIN = 1 << 18
 
 
 class Encoded(NamedTuple):
     """An operand in a kernel's input format.
 
     Attributes:
-        data: int8 codes, fp16/bf16/fp8 values, or float32 values (fp32, tf32).
+        data: int8 codes, fp16/bf16/fp8 values, or float32 values (fp32, tf32; or fp16/bf16
+            values held in float32, for an operand that is not saved).
         scale: float32 dequantization multiplier (0-dim, or one per channel along ``axis``);
             None for unscaled formats.
         axis: the channel dimension of a per-channel scale, else None.
+        values: ``data`` widened to float32 (unscaled) when the encoding made it in the same
+            pass (fp8), else None.
     """
 
     data: torch.Tensor
     scale: torch.Tensor | None
     axis: int | None
+    values: torch.Tensor | None = None
 
 
 def channel_view(scale: torch.Tensor, axis: int | None, ndim: int) -> torch.Tensor:
@@ -86,6 +98,21 @@ def round_to(x: torch.Tensor, precision: Precision) -> torch.Tensor:
     if precision in ROUNDED_OUTPUTS:
         return x.to(TORCH_DTYPES[precision]).to(x.dtype)
     return x
+
+
+def round_f32(x: torch.Tensor, precision: Precision, *, inplace: bool = False) -> torch.Tensor:
+    """``round_to(x.float(), precision)``: float32 values of fp16/bf16 (other precisions: x).
+
+    A large CPU tensor takes one ``float_round`` pass (NaNs keep their bits), in x itself when
+    ``inplace`` (a fresh contiguous float32 tensor that nothing else holds); a small one
+    takes torch's two casts, cheaper than starting a kernel.
+    """
+    if precision not in ROUNDED_OUTPUTS:
+        return x
+    if x.is_cuda or x.numel() < ONE_PASS_MIN:
+        return x.to(TORCH_DTYPES[precision]).float()
+    out = x if inplace and x.is_contiguous() and x.dtype == torch.float32 else None
+    return float_round(x, precision, out=out)
 
 
 def encode(
@@ -117,7 +144,8 @@ def encode(
         fmax = FP8_MAX[precision]
         amax = absmax(x) if amax is None else amax
         scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-        return Encoded(float_encode(x.float() / scale, precision), scale, None)
+        q = float_quantize(x, precision, scale=scale)
+        return Encoded(q.codes, scale, None, q.values)
     if precision in TORCH_DTYPES:
         return Encoded(x.to(TORCH_DTYPES[precision]), None, None)
     if precision is Precision.TF32:
@@ -127,19 +155,26 @@ def encode(
 
 def widen(data: torch.Tensor) -> torch.Tensor:
     """Encoded data as float32, unscaled (int8 codes as integers, fp8 values as they are)."""
-    if data.dtype in _FP8_TABLES and not data.is_cuda:
-        return torch.take(_FP8_TABLES[data.dtype], data.view(torch.uint8).long())
+    if data.dtype in _FP8_DTYPES and not data.is_cuda and data.numel() >= ONE_PASS_MIN:
+        return float_decode(data)  # the same bits as torch's cast, ~10x faster
     return data.float()
 
 
-def decode(enc: Encoded) -> torch.Tensor:
-    """Return the float32 values an encoded operand stands for."""
+def widened(enc: Encoded) -> torch.Tensor:
+    """``enc.data`` as float32, unscaled: the values the encoding made, else ``widen``."""
+    return widen(enc.data) if enc.values is None else enc.values
+
+
+def decode(enc: Encoded, rounding: Precision | None = None) -> torch.Tensor:
+    """Return the float32 values an encoded operand stands for, rounded to fp16/bf16 when
+    ``rounding`` names one (int8 codes: by the dequantize kernel, in the same pass)."""
     if enc.data.dtype == torch.int8:
-        return dequantize_int8(enc.data, enc.scale, axis=enc.axis)
-    widened = widen(enc.data)
-    if enc.scale is None:
-        return widened
-    return widened * channel_view(enc.scale, enc.axis, widened.dim())
+        fmt = rounding if rounding in ROUNDED_OUTPUTS else None
+        return dequantize_int8(enc.data, enc.scale, axis=enc.axis, fmt=fmt)
+    values = widened(enc)
+    if enc.scale is not None:
+        values = values * channel_view(enc.scale, enc.axis, values.dim())
+    return values if rounding is None else round_f32(values, rounding)
 
 
 def reencode(enc: Encoded, source: Precision, target: Precision) -> Encoded:

@@ -6,7 +6,10 @@
   does. The backward encodes the output gradient in the backward precision, re-encodes
   the saved operands to it (fp8 operands stay as they are under an fp8 backward, per the
   FP8 recipe), computes both gradients there and returns them in the inputs' dtypes, so
-  weight gradients land in the fp32 master weights.
+  weight gradients land in the fp32 master weights. On the CPU, operands that are not
+  saved (the output gradient, re-encoded operands) go straight to the fp32 values the
+  emulation reads (fp16/bf16 rounded in fp32, int8 dequantized into fp16 in one pass), and
+  the output gradient is widened once for both products.
 * :func:`embedding`: rows of the table in the forward precision (int8/fp8 scales come from
   the whole table, or per row); the weight gradient is the scatter-add of the gradient
   rounded to the backward precision.
@@ -31,7 +34,14 @@ import torch.nn.functional as F
 from qsync_lab.kernels import absmax
 from qsync_lab.precision import Precision
 from qsync_lab.runtime.config import FP8_PRECISIONS, OpPrecision
-from qsync_lab.runtime.encoding import Encoded, decode, encode, reencode, round_to
+from qsync_lab.runtime.encoding import (
+    ROUNDED_OUTPUTS,
+    Encoded,
+    decode,
+    encode,
+    round_f32,
+    round_to,
+)
 from qsync_lab.runtime.gemm import BilinearKernel, float_product, fp8_product
 
 
@@ -45,21 +55,35 @@ def _forward_product(kernel: BilinearKernel, a: Encoded, b: Encoded,
         if out is None:
             out = fp8_product(kernel.forward, a, b)
     else:
-        bias_data = None if bias is None else encode(bias, precision).data
-        return float_product(kernel.forward, (a.data, b.data, bias_data), precision)
+        bias_enc = None if bias is None else encode(bias, precision)
+        return float_product(kernel.forward, (a, b, bias_enc), precision)
     return out if bias is None else kernel.add_bias(out, bias.detach().float())
 
 
 def _backward_product(fn, u: Encoded, v: Encoded, precision: Precision) -> torch.Tensor:
     if precision in FP8_PRECISIONS:
         return fp8_product(fn, u, v)
-    return float_product(fn, (u.data, v.data), precision)
+    return float_product(fn, (u, v), precision)
+
+
+def _emulated_float(t: torch.Tensor, precision: Precision) -> bool:
+    """Whether a ``precision`` product of ``t`` runs as fp16/bf16 values held in fp32."""
+    return precision in ROUNDED_OUTPUTS and not t.is_cuda
+
+
+def _gradient(grad_out: torch.Tensor, backward: Precision) -> Encoded:
+    """The output gradient encoded for both gradient products (widened once, not twice)."""
+    if _emulated_float(grad_out, backward):
+        return Encoded(round_f32(grad_out, backward), None, None)
+    return encode(grad_out, backward)
 
 
 def _backward_operand(saved: Encoded, forward: Precision, backward: Precision) -> Encoded:
-    if forward in FP8_PRECISIONS and backward in FP8_PRECISIONS:
+    if forward is backward or (forward in FP8_PRECISIONS and backward in FP8_PRECISIONS):
         return saved
-    return reencode(saved, forward, backward)
+    if _emulated_float(saved.data, backward):
+        return Encoded(decode(saved, backward), None, None)
+    return encode(decode(saved), backward)
 
 
 class _Bilinear(torch.autograd.Function):
@@ -84,7 +108,7 @@ class _Bilinear(torch.autograd.Function):
         a_data, a_scale, b_data, b_scale = ctx.saved_tensors
         kernel, cfg = ctx.kernel, ctx.cfg
         forward, backward = cfg.forward, cfg.backward_precision
-        g = encode(grad_out, backward)
+        g = _gradient(grad_out, backward)
         grads = [None, None, None]
         if ctx.needs_input_grad[0]:
             b = _backward_operand(Encoded(b_data, b_scale, ctx.axes[1]), forward, backward)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from qsync_lab.precision import Precision
-from qsync_lab.runtime.encoding import TORCH_DTYPES, Encoded, channel_view, round_to, widen
+from qsync_lab.runtime.encoding import TORCH_DTYPES, Encoded, channel_view, round_f32, widened
 
 #: largest K whose int8 dot products are exact in fp32: K·127² < 2**24 holds up to K = 1040
 MAX_EXACT_K = 1024
@@ -261,21 +261,21 @@ class ConvKernel(BilinearKernel):
         return self.forward(a_codes.float(), b_codes.float())
 
 
-def float_product(fn: Callable[..., torch.Tensor], operands: Sequence[torch.Tensor | None],
+def float_product(fn: Callable[..., torch.Tensor], operands: Sequence[Encoded | None],
                   precision: Precision) -> torch.Tensor:
-    """Run ``fn`` on operands already in ``precision``'s format; fp32 result, rounded.
+    """Run ``fn`` on operands encoded in ``precision``'s format; fp32 result, rounded.
 
     CUDA runs fp16/bf16 natively; otherwise ``fn`` runs in fp32 (exact products of the
     rounded operands, fp32 accumulation) and the result is rounded to the output format.
     """
-    first = operands[0]
-    if first.is_cuda and precision in NATIVE_FLOAT:
+    if operands[0].data.is_cuda and precision in NATIVE_FLOAT:
         dtype = TORCH_DTYPES[precision]
-        return fn(*(None if t is None else t.to(dtype) for t in operands)).float()
-    return round_to(fn(*(None if t is None else t.float() for t in operands)), precision)
+        return fn(*(None if e is None else e.data.to(dtype) for e in operands)).float()
+    out = fn(*(None if e is None else widened(e) for e in operands))
+    return round_f32(out, precision, inplace=True)
 
 
 def fp8_product(fn: Callable[..., torch.Tensor], u: Encoded, v: Encoded) -> torch.Tensor:
     """Emulated fp8 product: ``fn`` over the fp8 values in fp32, times both (per-tensor)
     scales. fp8 values have at most 3 mantissa bits, so every product is exact."""
-    return fn(widen(u.data), widen(v.data)).mul_(u.scale * v.scale)
+    return fn(widened(u), widened(v)).mul_(u.scale * v.scale)

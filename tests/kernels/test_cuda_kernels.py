@@ -72,6 +72,30 @@ def test_float_encode_and_round(fmt, dev):
     assert torch.equal(torch.isnan(r), nan) and torch.equal(r[~nan], want[~nan])
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_float_quantize_and_decode(fmt, dev):
+    # no NaN: a GPU's division makes every NaN canonical (test_float_codes checks them)
+    edge = torch.tensor([0.0, -0.0, 1e-45, 448.0, 7e4, 3.4e38, float("inf")])
+    x = torch.cat([edge, -edge, _x(200) * 100]).to(dev)
+    scale = torch.tensor(2.5, device=dev)  # > 1: no overflow warning in the simulator
+    a = K.float_quantize(x, fmt, scale=scale, backend="cuda")
+    b = K.float_quantize(x.cpu(), fmt, scale=scale.cpu(), backend="reference")
+    view = torch.uint8 if a.codes.dtype.itemsize == 1 else torch.int16
+    assert torch.equal(a.codes.cpu().view(view), b.codes.view(view))
+    assert torch.equal(a.values.cpu().view(torch.int32), b.values.view(torch.int32))
+    got = K.float_decode(a.codes, backend="cuda").cpu()
+    assert torch.equal(got.view(torch.int32), b.values.view(torch.int32))
+
+
+@pytest.mark.parametrize("axis", [None, 1])
+def test_dequantize_into_a_float_format(axis, dev):
+    q = K.quantize_int8(_x(shape=(12, 25), dev=dev) * 1e3, axis=axis, backend="cuda")
+    a = K.dequantize_int8(q.codes, q.scale, axis=axis, fmt="fp16", backend="cuda")
+    b = K.dequantize_int8(q.codes.cpu(), q.scale.cpu(), axis=axis, fmt="fp16",
+                          backend="reference")
+    assert torch.equal(a.cpu(), b)
+
+
 @pytest.mark.parametrize("fmt", [(3, 0), (4, 3), (6, 5)])
 def test_float_round_generic_and_aps(fmt, dev):
     x = torch.cat([_x(200) * 30, torch.tensor([248.0, 1e-42, 0.0])]).to(dev)
