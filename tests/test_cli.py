@@ -155,7 +155,10 @@ def test_profile_writes_a_table_the_cost_model_reads(capsys, tmp_path):
     assert "loopback" in read_link_fits(out)
     rows = read_profile(out).frame
     assert set(rows.loc[rows["op"] == "fc1", "precision"]) == {"fp32", "bf16"}
-    assert (rows.loc[rows["phase"] != "cast", "time_us"] > 0).all()
+    ops = rows[rows["phase"] != "cast"]
+    # a tiny op's backward may cost no more than the autograd call subtracted from it (0)
+    assert (ops["time_us"] >= 0).all()
+    assert (ops.loc[ops["phase"] == "forward", "time_us"] > 0).all()
     assert load_cost_model(out).profiles[0].source == "profile:cpu.csv"
 
 
