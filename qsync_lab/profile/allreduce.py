@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from qsync_lab.devices import US_PER_SECOND, LinkSpec
 from qsync_lab.errors import QSyncError
+from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.profile.fit import LineFit, fit_line
 
 __all__ = ["AlphaBetaFit", "default_sizes", "fit_alpha_beta", "profile_allreduce"]
@@ -101,6 +102,7 @@ def profile_allreduce(sizes_bytes: Sequence[int], *, backend: str = "gloo", worl
 
 def _worker(rank: int, world_size: int, backend: str, store_path: str, out: str,
             sizes: list[int], repeats: int, warmup: int) -> None:
+    keep_freed_memory()  # as the ranks (qsync_lab.hostmem)
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)

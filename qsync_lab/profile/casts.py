@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from qsync_lab.costs import PROFILE_COLUMNS
+from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.precision import Precision
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.timing import median_time_us
@@ -62,6 +63,7 @@ def profile_casts(pairs: Sequence[tuple[str, str]], sizes: Sequence[int], *,
         Cast rows with the columns of :data:`qsync_lab.costs.PROFILE_COLUMNS`
         (``phase="cast"``, ``precision="src->dst"``, ``bytes`` read plus written).
     """
+    keep_freed_memory()  # as the ranks (qsync_lab.hostmem)
     rows = []
     generator = torch.Generator().manual_seed(0)
     for src_name, dst_name in pairs:

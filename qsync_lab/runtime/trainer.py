@@ -21,6 +21,9 @@
    step time and peak tensor memory beside the simulator's prediction for the same plan
    (emulated kinds costed from the locally measured profile), and ``final.pt``.
 
+The rank's process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as the
+profiler's processes do: steady steps take no page faults, in the run and in the profile.
+
 Peak tensor memory for the summary: on CUDA ``max_memory_allocated``; on the CPU,
 torch.profiler memory events over the model build and the first ``MEMORY_STEPS`` steps of
 each attempt (the live tensor bytes' maximum).
@@ -43,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from qsync_lab.cluster import Cluster, list_clusters, load_cluster
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
+from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.io import atomic_write_text
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
@@ -131,6 +135,7 @@ def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | Non
     by default the plan's zoo model trains on its bundled task. The process group is
     created here (torchrun's environment) unless one exists.
     """
+    keep_freed_memory()
     own_group = not dist.is_initialized()
     if own_group:
         _init_process_group()
