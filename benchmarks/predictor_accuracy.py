@@ -7,11 +7,12 @@ For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per
    (:func:`qsync_lab.profile.profile_ops_concurrently`),
    the runtime's casts and DDP's in-place bucket copies (``fp32->fp32``; fitted per pair,
    R² printed) and gloo allreduces (α–β fitted);
-   all written to ``data/profiles/cpu.csv``;
+   all written to ``data/profiles/cpu.csv`` (op rows matched by kind and shapes), and each
+   model's op rows with their FQNs to ``benchmarks/results/profiles.tmp/<model>.csv``;
 2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime`` per case (SGD with
    momentum on the synthetic task): median step time and peak tensor memory (profiler
-   memory events), and the simulator's prediction of the same case from that profile
-   (the run's ``summary.json``);
+   memory events), and the simulator's prediction of the same case from those profiles,
+   the model's own first (the run's ``summary.json``);
 3. print measured beside predicted, the errors, and their medians against the targets
    (step time ≤ 5 %, peak memory ≤ 10 %).
 
@@ -43,7 +44,7 @@ from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
-from qsync_lab.profile import (default_cast_sizes, default_copy_sizes, default_sizes,
+from qsync_lab.profile import (METHODS, default_cast_sizes, default_copy_sizes, default_sizes,
                                fit_alpha_beta, fit_casts, fit_step_overhead, intra_op_threads,
                                link_metadata, profile_allreduce, profile_casts,
                                profile_ops_concurrently, run_metadata, step_overhead_metadata,
@@ -52,6 +53,7 @@ from qsync_lab.runtime.launch import torchrun_command
 from qsync_lab.simulate import PLANNABLE_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
+MODEL_PROFILES = ROOT / "benchmarks/results/profiles.tmp"  # per-model op rows (git-ignored)
 MODELS = {
     "digits_cnn": {},
     "resnet18": {"num_classes": 10, "image_size": 32},
@@ -76,17 +78,21 @@ def plans(graph) -> dict[str, dict[str, str]]:
             "mixed": {name: "int8" for name in gemms[:len(gemms) // 2]}}
 
 
-def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
-    """Profile the three models, the casts and the allreduces; return report lines."""
+def build_profile(path: Path, batch_size: int, repeats: int, method: str) -> list[str]:
+    """Profile the three models (ops timed by ``method``), the casts and the allreduces;
+    return report lines."""
     torch.set_num_threads(THREADS)
     frames = []
     for name, kwargs in tqdm(MODELS.items(), desc="profile models"):
         inputs, target = example_batch(name, batch_size, **kwargs)
         rows = profile_ops_concurrently(get_model(name, **kwargs), inputs, target,
                                         model_spec(name).loss_fn(), PRECISIONS, processes=2,
-                                        threads=THREADS, repeats=repeats)
-        # one file for three models: FQNs ("conv1", "fc") collide across models, so the
-        # rows match by (kind, shapes) only, which is model-independent
+                                        threads=THREADS, repeats=repeats, method=method)
+        # the model's own file keeps the FQNs (the runs read it first); in the shared file
+        # FQNs ("conv1", "fc") would collide across models, so there rows match by
+        # (kind, shapes) only, which is model-independent
+        write_device_profile(MODEL_PROFILES / f"{name}.csv", [rows],
+                             run_metadata("cpu", threads=THREADS))
         frames.append(rows.assign(op=""))
     casts = pd.concat([profile_casts(CAST_PAIRS, default_cast_sizes(), repeats=repeats),
                        profile_casts([("fp32", "fp32")], default_copy_sizes(), repeats=repeats)])
@@ -96,13 +102,14 @@ def build_profile(path: Path, batch_size: int, repeats: int) -> list[str]:
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
                           link=link_name, source=f"profile:{path.name}")
     with intra_op_threads(THREADS):
-        overhead = fit_step_overhead(repeats=repeats)
-    metadata = {**run_metadata("cpu", threads=THREADS), **step_overhead_metadata(overhead),
+        overhead = fit_step_overhead(repeats=repeats, method=method)
+    metadata = {**run_metadata("cpu", threads=THREADS), "profile_method": method,
+                **step_overhead_metadata(overhead),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo")}
     write_device_profile(path, [*frames, casts], metadata)
-    lines = [f"profile: {path.relative_to(ROOT)} ({sum(map(len, frames))} op rows, "
-             f"{THREADS} thread)", "cast fits (time_us = a*numel + b):"]
+    lines = [f"profile: {os.path.relpath(path, ROOT)} ({sum(map(len, frames))} op rows, "
+             f"{THREADS} thread, ops timed {method})", "cast fits (time_us = a*numel + b):"]
     lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
               f"R2={fit.r2:.4f}" for pair, fit in cast_fits.items()]
     lines.append(f"step overhead fit (calibration MLPs): {overhead.intercept:.1f} us per step "
@@ -124,7 +131,8 @@ def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path,
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "NUMBA_NUM_THREADS": str(THREADS)}
     subprocess.run(torchrun_command(str(plan_path), 2, runtime_args=[
         "--data", "synthetic", "--steps", str(steps), "--checkpoint-every", "0",
-        "--threads", str(THREADS), "--profile", str(profile), "--run-dir", str(run_dir)]),
+        "--threads", str(THREADS), "--profile", str(MODEL_PROFILES / f"{name}.csv"),
+        "--profile", str(profile), "--run-dir", str(run_dir)]),
         check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -134,6 +142,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile", type=Path, default=ROOT / "data/profiles/cpu.csv")
+    parser.add_argument("--method", choices=METHODS, default="in_step",
+                        help="how ops are timed (qsync_lab.profile.profile_ops)")
     parser.add_argument("--reuse-profile", action="store_true",
                         help="use the existing profile instead of measuring it again")
     parser.add_argument("--out", type=Path, help="also write the report here")
@@ -145,7 +155,7 @@ def main() -> None:
               f"{batch_size}/rank), torch {torch.__version__}; 1/5/15-min load before: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
     if not args.reuse_profile:
-        report += build_profile(args.profile, batch_size, args.repeats)
+        report += build_profile(args.profile, batch_size, args.repeats, args.method)
     rows = []
     cases = [(name, plan_name, plan) for name, kwargs in MODELS.items()
              for plan_name, plan in plans(_graph(name, kwargs, batch_size)).items()]

@@ -97,6 +97,8 @@ def _add_profile_parser(sub) -> None:
     profile.add_argument("--processes", type=int, default=1,
                          help="profile in N processes at once, as N local DDP ranks run "
                          "(they share caches and memory bandwidth; default 1)")
+    profile.add_argument("--method", default="in_step", choices=["in_step", "isolated"],
+                         help="time ops inside training steps (in_step) or one at a time")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=_cmd_profile)
 
@@ -121,6 +123,7 @@ def _cmd_profile(args) -> None:
              + [(p, "fp32") for p in precisions if p not in ("fp32", "int8")])
     profile = (functools.partial(profile_ops_concurrently, processes=args.processes,
                                  threads=args.threads) if args.processes > 1 else profile_ops)
+    profile = functools.partial(profile, method=args.method)
     with intra_op_threads(args.threads):
         for name in args.model:
             inputs, target = example_batch(name, args.batch)
@@ -131,11 +134,12 @@ def _cmd_profile(args) -> None:
         casts = pd.concat([profile_casts(pairs, default_cast_sizes(), repeats=args.repeats),
                            profile_casts([("fp32", "fp32")], default_copy_sizes(),  # DDP's copies
                                          repeats=args.repeats)])
-        overhead = fit_step_overhead(repeats=args.repeats)
+        overhead = fit_step_overhead(repeats=args.repeats, method=args.method)
     allreduce = profile_allreduce(default_sizes(), repeats=args.repeats)
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
                           link="loopback")
-    metadata = {**run_metadata("cpu", threads=args.threads), **step_overhead_metadata(overhead),
+    metadata = {**run_metadata("cpu", threads=args.threads), "profile_method": args.method,
+                **step_overhead_metadata(overhead),
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in fit_casts(casts).items()}}
     write_device_profile(args.out, [*frames, casts], metadata)

@@ -113,9 +113,11 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     profile = out / "profile.csv"
     write_device_profile(profile, [rows], {**run_metadata("cpu", threads=1),
                                            **step_overhead_metadata(overhead),
+                                           "profile_method": "in_step",
                                            "concurrent_processes": str(ranks)})
     print(f"{len(rows)} rows ({graph.num_ops} ops x {', '.join(PROFILE_PRECISIONS)} x phases, "
-          f"{ranks} processes at once as the ranks will run) -> {profile}; step overhead "
+          f"timed inside training steps, {ranks} processes at once as the ranks will run) -> "
+          f"{profile}; step overhead "
           f"{overhead.intercept:.0f} us + {overhead.slope:.1f} us per op event (fitted on "
           "calibration MLPs); casts and gloo allreduce from the shipped cpu.csv")
     _section("6. sensitivity indicator")

@@ -77,7 +77,7 @@ class ProfileTable:
         source: ``"profile:<file name>"``, carried by every number taken from it.
         metadata: the ``# key: value`` lines.
         by_op: (device, op, plan precision, phase, batch_size) -> time_us.
-        by_shape: (device, kind, shape_key, plan precision, phase) -> time_us.
+        by_shape: (device, kind, shape_key, plan precision, phase) -> mean time_us.
     """
 
     frame: pd.DataFrame
@@ -89,15 +89,18 @@ class ProfileTable:
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, source: str,
                    metadata: Mapping[str, str] | None = None) -> "ProfileTable":
-        """Check ``frame`` and index it (later rows win on duplicate keys)."""
+        """Check ``frame`` and index it: by FQN the later of duplicate rows wins; by shape
+        key, the mean over the rows of that key (ops of one kind and shapes, e.g. the
+        layers of a transformer, timed in different places of a step)."""
         frame = _checked(frame, source)
         ops = frame[frame["phase"] != "cast"]
         by_op = {(d, o, p, ph, int(b)): float(t) for d, o, p, ph, b, t in zip(
             ops["device"], ops["op"], ops["plan_precision"], ops["phase"], ops["batch_size"],
             ops["time_us"]) if o}
-        by_shape = {(d, k, s, p, ph): float(t) for d, k, s, p, ph, t in zip(
-            ops["device"], ops["kind"], ops["shape_key"], ops["plan_precision"], ops["phase"],
-            ops["time_us"]) if s}
+        shaped = ops[ops["shape_key"] != ""]
+        by_shape = {key: float(t) for key, t in shaped.groupby(
+            ["device", "kind", "shape_key", "plan_precision", "phase"], sort=False)["time_us"]
+            .mean().items()}
         return cls(frame, source, MappingProxyType(dict(metadata or {})),
                    MappingProxyType(by_op), MappingProxyType(by_shape))
 

@@ -1,7 +1,8 @@
 """Measure this machine: op times per precision and phase, casts, allreduces; write profiles.
 
-* :func:`profile_ops` times every op of a model in isolation (forward, input gradient,
-  weight gradient) in each precision, as the runtime runs it;
+* :func:`profile_ops` times every op of a model (forward, input gradient, weight
+  gradient) in each precision, as the runtime runs it: alone, or inside training steps of
+  the whole model (:mod:`qsync_lab.profile.in_step`);
 * :func:`profile_casts` / :func:`fit_casts` time the runtime's precision conversions and
   fit ``a·numel + b`` per pair with R²;
 * :func:`profile_allreduce` / :func:`fit_alpha_beta` time allreduces on the real backend
@@ -22,14 +23,14 @@ from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit
                                      profile_casts)
 from qsync_lab.profile.concurrent import median_over_processes, profile_ops_concurrently
 from qsync_lab.profile.fit import LineFit, fit_line
-from qsync_lab.profile.ops import autograd_call_overhead_us, profile_ops
+from qsync_lab.profile.ops import METHODS, autograd_call_overhead_us, profile_ops
 from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
 from qsync_lab.profile.table import (link_metadata, load_cost_model, read_link_fits,
                                      write_device_profile)
 from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metadata
 
 __all__ = [
-    "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "default_cast_sizes",
+    "METHODS", "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "default_cast_sizes",
     "default_copy_sizes", "default_sizes", "fit_alpha_beta", "fit_casts", "fit_line",
     "fit_step_overhead", "intra_op_threads", "link_metadata", "load_cost_model",
     "median_over_processes", "median_time_us", "profile_allreduce", "profile_casts",

@@ -35,7 +35,7 @@ _POLL_S = 1.0
 def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, loss_fn: nn.Module,
                              precisions: Sequence["Precision | str"], *, processes: int = 2,
                              threads: int = 1, repeats: int = 10, warmup: int = 2,
-                             device: str = "cpu") -> pd.DataFrame:
+                             device: str = "cpu", method: str = "in_step") -> pd.DataFrame:
     """:func:`~qsync_lab.profile.profile_ops` in ``processes`` processes at once; each row's
     ``time_us`` is the median over the processes (see the module docstring)."""
     if processes < 1 or threads < 1:
@@ -43,7 +43,7 @@ def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, lo
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(processes), context.Queue()
     args = (model, example_inputs, target, loss_fn, [str(Precision.parse(p)) for p in precisions],
-            threads, repeats, warmup, device, barrier, results)
+            threads, repeats, warmup, device, method, barrier, results)
     workers = [context.Process(target=_worker, args=(i, *args), daemon=True)
                for i in range(processes)]
     for worker in workers:
@@ -93,7 +93,7 @@ def _next_result(results, workers):
 
 
 def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats, warmup,
-            device, barrier, results) -> None:
+            device, method, barrier, results) -> None:
     """One profiling process: wait for the others, profile, send (index, rows) or an error."""
     from qsync_lab.profile.ops import profile_ops
     from qsync_lab.profile.timing import intra_op_threads
@@ -102,7 +102,7 @@ def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats,
         with intra_op_threads(threads):
             barrier.wait()
             rows = profile_ops(model, inputs, target, loss_fn, precisions, repeats=repeats,
-                               warmup=warmup, device=device, progress=False)
+                               warmup=warmup, device=device, method=method, progress=False)
         results.put((index, rows))
     except Exception as err:  # reported by the parent as a QSyncError
         results.put(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")

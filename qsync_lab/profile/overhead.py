@@ -23,6 +23,7 @@ Example::
 import torch
 from torch import nn
 
+from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.timing import median_time_us
@@ -36,10 +37,12 @@ DEFAULT_DEPTHS = (2, 4, 8, 16)
 
 
 def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int = 16,
-                      repeats: int = 20, warmup: int = 3) -> LineFit:
+                      repeats: int = 20, warmup: int = 3, method: str = "in_step") -> LineFit:
     """Fit ``step_us − Σ profile rows = slope·rows + intercept`` over calibration MLPs of
     ``depths`` Linear+ReLU blocks (see the module docstring): ``slope`` is µs per op
-    event, ``intercept`` µs per step."""
+    event, ``intercept`` µs per step. ``method``: the profile method whose rows the fit
+    completes (:func:`~qsync_lab.profile.profile_ops`)."""
+    keep_freed_memory()  # as the ranks whose steps this completes
     events, residual_us = [], []
     generator = torch.Generator().manual_seed(0)
     for depth in depths:
@@ -50,7 +53,7 @@ def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int
         target = torch.randn(batch_size, width, generator=generator)
         loss_fn = nn.MSELoss()
         rows = profile_ops(model, (inputs,), target, loss_fn, ["fp32"], repeats=repeats,
-                           warmup=warmup, progress=False)
+                           warmup=warmup, method=method, progress=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
         def step():

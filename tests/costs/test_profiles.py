@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qsync_lab.costs import (PROFILE_COLUMNS, CostModel, calibrate_efficiency, fit_cast_costs,
-                             op_work, phase_work, read_profile, shape_key, write_profile)
+from qsync_lab.costs import (PROFILE_COLUMNS, CostModel, ProfileTable, calibrate_efficiency,
+                             fit_cast_costs, op_work, phase_work, read_profile, shape_key,
+                             write_profile)
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
@@ -98,6 +99,15 @@ def test_a_profile_without_the_plan_precision_column_still_reads(tmp_path):
     path = tmp_path / "old.csv"
     pd.DataFrame([_row()]).drop(columns="plan_precision").to_csv(path, index=False)
     assert read_profile(path).frame["plan_precision"].tolist() == ["fp16"]
+
+
+def test_duplicate_shape_keys_average_and_duplicate_fqns_take_the_later_row():
+    key = "linear|32x64|w:64x64,64"
+    rows = [_row(op="a", shape_key=key, time_us=10.0), _row(op="b", shape_key=key, time_us=30.0),
+            _row(op="a", shape_key=key, time_us=20.0)]
+    table = ProfileTable.from_frame(pd.DataFrame(rows), "profile:x.csv")
+    assert table.op_time_us("T4", "a", "fp16", "forward", 32) == 20.0
+    assert table.op_time_us("T4", "c", "fp16", "forward", 32, key) == 20.0  # (10+30+20)/3
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,176 @@
+"""Time every op inside real training steps of the whole model (the in-step profile).
+
+An op timed alone runs cache-hot on inputs it has just read, with nothing around it. Inside
+a training step its inputs come from the op before, its weights were just updated by the
+optimizer, and the autograd engine runs its backward nodes among everyone else's. QSync
+times ops that way too (uniform-precision runs under the profiler, one step's kernels per
+op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
+
+1. a copy of the model with every op that takes ``precision`` set to it
+   (``apply_plan_``, one op at a time; ops that refuse it keep fp32), plus its loss, traced
+   with torch.fx (the same op order as :func:`qsync_lab.graph.trace_graph`);
+2. ``warmup + steps`` training steps (``zero_grad``, forward, ``backward``, an SGD step),
+   the forward run node by node: each op's call is timed, and each autograd node the op
+   creates (not ``AccumulateGrad``, whose hooks are DDP's and the framework's) gets a
+   pre-hook and a hook that time it when the backward runs it. An op's backward time is
+   the sum over its nodes;
+3. per op, the median over the timed steps.
+
+Only synchronous (CPU) execution is timed this way; on a GPU use the isolated profile.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    >>> t = time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
+    ...                       nn.CrossEntropyLoss(), "bf16", steps=2, warmup=1)
+    >>> t.effective, bool((t.forward_us > 0).all())
+    (['bf16', 'bf16', 'bf16', 'fp32'], True)
+"""
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.graph import symbolic_trace
+from qsync_lab.graph.opgraph import _with_loss
+from qsync_lab.precision import Precision
+from qsync_lab.runtime import apply_plan_
+
+__all__ = ["InStepTimes", "time_ops_in_steps"]
+
+_CALLS = ("call_module", "call_function", "call_method")
+_NS_PER_US = 1e3
+_LR = 1e-4  # small: the timed steps see (nearly) the same weights
+
+
+@dataclass(frozen=True)
+class InStepTimes:
+    """Median per-op times over the timed steps, in graph op order.
+
+    Attributes:
+        forward_us: each op's call.
+        backward_us: each op's autograd nodes together (input and weight gradients).
+        effective: the precision each op ran in (``fp32`` where it refused the one asked).
+    """
+
+    forward_us: np.ndarray
+    backward_us: np.ndarray
+    effective: list[str]
+
+
+def time_ops_in_steps(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
+                      loss_fn: nn.Module, precision: "Precision | str", *, steps: int = 10,
+                      warmup: int = 3) -> InStepTimes:
+    """Time each op of ``loss_fn(model(*example_inputs), target)`` inside training steps with
+    every op in ``precision`` where it can be (see the module docstring); ``model`` is not
+    modified."""
+    if steps < 1 or warmup < 0:
+        raise QSyncError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (*example_inputs, target)):
+        raise QSyncError("in-step timing measures synchronous CPU execution; profile CUDA ops "
+                         "with method='isolated'")
+    precision = Precision.parse(precision)
+    model = copy.deepcopy(model)
+    root = _with_loss(model, loss_fn, len(example_inputs))
+    gm = symbolic_trace(root)
+    taken = _set_precision(gm, precision)
+    runner = _TimedRun(gm)
+    optimizer = torch.optim.SGD(gm.parameters(), lr=_LR, momentum=0.9)
+    forward, backward, ops = [], [], None
+    for step in range(warmup + steps):
+        optimizer.zero_grad(set_to_none=True)
+        runner.reset()
+        loss = runner.run(*example_inputs, target)
+        loss.backward()
+        optimizer.step()
+        if ops is not None and runner.ops != ops:
+            raise QSyncError("the op calls differ between training steps; the model's "
+                             "forward must be deterministic in structure")
+        ops = runner.ops
+        if step >= warmup:
+            forward.append(runner.forward_ns)
+            backward.append(runner.backward_ns)
+    effective = [str(precision) if name in taken else "fp32" for name in ops]
+    return InStepTimes(np.median(forward, axis=0) / _NS_PER_US,
+                       np.median(backward, axis=0) / _NS_PER_US, effective)
+
+
+def _set_precision(gm: fx.GraphModule, precision: Precision) -> set[str]:
+    """Set every op module of ``gm`` that takes ``precision`` to it; their node names."""
+    taken = set()
+    if precision is Precision.FP32:
+        return taken
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            try:
+                apply_plan_(gm, {node.target: precision})
+                taken.add(node.name)
+            except QSyncError:
+                pass
+    return taken
+
+
+class _TimedRun(fx.Interpreter):
+    """Runs the traced model, timing each op's call and its autograd nodes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last step: op names, forward and backward times (ns)."""
+        self.ops: list[str] = []
+        self.forward_ns: list[int] = []
+        self.backward_ns: list[int] = []
+        self._owned: set = set()
+        self._started: dict = {}
+
+    def run_node(self, n: fx.Node):
+        if n.op not in _CALLS:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        begin = time.perf_counter_ns()
+        out = getattr(self, n.op)(n.target, args, kwargs)
+        elapsed = time.perf_counter_ns() - begin
+        tensors = _tensors(out)
+        if tensors:
+            self.ops.append(n.name)
+            self.forward_ns.append(elapsed)
+            self.backward_ns.append(0)
+            self._hook_new_nodes(tensors, len(self.backward_ns) - 1)
+        return out
+
+    def _hook_new_nodes(self, outputs: Sequence[torch.Tensor], index: int) -> None:
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in self._owned or type(node).__name__ == "AccumulateGrad":
+                continue
+            self._owned.add(node)
+            node.register_prehook(self._pre_hook(node))
+            node.register_hook(self._post_hook(node, index))
+            stack.extend(fn for fn, _ in node.next_functions)
+
+    def _pre_hook(self, node):
+        def hook(grad_outputs):
+            self._started[node] = time.perf_counter_ns()
+        return hook
+
+    def _post_hook(self, node, index: int):
+        def hook(grad_inputs, grad_outputs):
+            self.backward_ns[index] += time.perf_counter_ns() - self._started.pop(node)
+        return hook
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda x: found.append(x) if isinstance(x, torch.Tensor)
+                          else None)
+    return found

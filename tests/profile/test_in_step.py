@@ -1,0 +1,111 @@
+"""In-step op timing: every op's forward and backward time lands on that op, and only there
+(sleeps of known length as the ground truth; lower bounds, so machine load cannot fail them)."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.profile import profile_ops
+from qsync_lab.profile.in_step import time_ops_in_steps
+
+SLEEP_S = 0.03
+SLEEP_US = SLEEP_S * 1e6
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLEEP_S)
+        return grad * 2
+
+
+class SlowBackward(nn.Module):
+    """An op (its own kind) whose backward node sleeps."""
+
+    op_kind = "activation"
+
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+class SlowForward(nn.Module):
+    op_kind = "activation"
+
+    def forward(self, x):
+        time.sleep(SLEEP_S)
+        return x * 3
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), SlowForward(), nn.Linear(8, 8), SlowBackward(),
+                         nn.Linear(8, 3))
+
+
+def _batch():
+    return (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0])
+
+
+def test_each_ops_time_lands_on_that_op():
+    inputs, target = _batch()
+    t = time_ops_in_steps(_model(), inputs, target, nn.CrossEntropyLoss(), "fp32", steps=2,
+                          warmup=1)
+    assert len(t.forward_us) == len(t.backward_us) == 6  # five layers and the loss
+    slow_forward = [i for i, us in enumerate(t.forward_us) if us >= SLEEP_US]
+    slow_backward = [i for i, us in enumerate(t.backward_us) if us >= SLEEP_US]
+    assert slow_forward == [1] and slow_backward == [3]
+    assert t.backward_us[0] > 0  # the first Linear's weight gradient (its input needs none)
+
+
+def test_gradient_accumulation_hooks_are_not_an_ops_backward():
+    """DDP's reducer runs in hooks after a parameter's gradient is accumulated: that time
+    belongs to DDP (simulated separately), never to the op."""
+    model = _model()
+    model[4].weight.register_post_accumulate_grad_hook(lambda p: time.sleep(SLEEP_S))
+    inputs, target = _batch()
+    t = time_ops_in_steps(model, inputs, target, nn.CrossEntropyLoss(), "fp32", steps=2,
+                          warmup=1)
+    assert [i for i, us in enumerate(t.backward_us) if us >= SLEEP_US] == [3]
+
+
+def test_precisions_are_set_where_ops_take_them_and_the_model_is_untouched():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    inputs, target = _batch()
+    t = time_ops_in_steps(model, inputs, target, nn.CrossEntropyLoss(), "int8", steps=1,
+                          warmup=0)
+    assert t.effective == ["int8", "fp32", "int8", "fp32"]  # ReLU and the loss refuse int8
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert type(model[0]) is nn.Linear
+
+
+def test_in_step_rows_have_the_isolated_rows_keys_and_split_the_backward():
+    inputs, target = _batch()
+    args = (_model(), inputs, target, nn.CrossEntropyLoss(), ["fp32", "bf16"])
+    keys = ["op", "kind", "shape_key", "precision", "plan_precision", "phase"]
+    in_step = profile_ops(*args, repeats=2, warmup=1, method="in_step", progress=False)
+    isolated = profile_ops(*args, repeats=2, warmup=1, method="isolated", progress=False)
+    assert in_step[keys].sort_values(keys).values.tolist() == \
+        isolated[keys].sort_values(keys).values.tolist()
+    fp32 = in_step[in_step["plan_precision"] == "fp32"].set_index(["op", "phase"])
+    us = fp32["time_us"]
+    assert us[("3", "backward_input")] >= SLEEP_US and us[("1", "forward")] >= SLEEP_US
+    # a Linear's backward is split in proportion to the phases' FLOPs
+    ratio = us[("2", "backward_input")] / us[("2", "backward_weight")]
+    flops = fp32["flops"]
+    assert ratio == pytest.approx(flops[("2", "backward_input")] / flops[("2", "backward_weight")])
+
+
+def test_bad_arguments_are_one_line_errors():
+    inputs, target = _batch()
+    with pytest.raises(QSyncError, match="steps must be >= 1"):
+        time_ops_in_steps(_model(), inputs, target, nn.CrossEntropyLoss(), "fp32", steps=0)
+    with pytest.raises(QSyncError, match="unknown profiling method"):
+        profile_ops(_model(), inputs, target, nn.CrossEntropyLoss(), ["fp32"], method="fast")
