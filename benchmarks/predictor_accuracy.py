@@ -2,24 +2,27 @@
 
 For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per rank):
 
-1. profile this machine as the 2 DDP ranks will run (2 processes at once, 1 intra-op thread
-   each): every op of the three models in fp32, bf16 and int8
-   (:func:`qsync_lab.profile.profile_ops_concurrently`),
-   the runtime's casts and DDP's in-place bucket copies (``fp32->fp32``; fitted per pair,
-   R² printed) and gloo allreduces (α–β fitted);
-   all written to ``data/profiles/cpu.csv`` (op rows matched by kind and shapes), and each
-   model's op rows with their FQNs to ``benchmarks/results/profiles.tmp/<model>.csv``;
-2. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime`` per case (SGD with
+1. profile this machine: the runtime's casts and DDP's in-place bucket copies
+   (``fp32->fp32``; fitted per pair, R² printed), gloo allreduces on idle ranks (α–β,
+   printed) and the link as DDP steps of calibration MLPs see it (α–β,
+   :mod:`qsync_lab.profile.ddp_link`; the one used), and the step overhead, written to
+   ``data/profiles/cpu.csv``;
+2. per model, right before its runs (this VM's speed drifts over minutes): every op in
+   fp32, bf16 and int8, timed inside training steps in 2 processes at once as the 2 DDP
+   ranks will run, 1 intra-op thread each (:func:`qsync_lab.profile.profile_ops_concurrently`),
+   written with their FQNs to ``benchmarks/results/profiles.tmp/<model>.csv``, and then
+3. run ``torchrun --standalone --nproc_per_node=2 -m qsync_lab.runtime`` per case (SGD with
    momentum on the synthetic task): median step time and peak tensor memory (profiler
    memory events), and the simulator's prediction of the same case from those profiles,
-   the model's own first (the run's ``summary.json``);
-3. print measured beside predicted, the errors, and their medians against the targets
+   the model's own first (the run's ``summary.json``). At the end every model's op rows
+   join ``data/profiles/cpu.csv``, matched there by kind and shapes;
+4. print measured beside predicted, the errors, and their medians against the targets
    (step time ≤ 5 %, peak memory ≤ 10 %).
 
 Plans: ``fp32`` (nothing planned), ``bf16`` (every plannable op in bf16) and ``mixed``
 (the first half of the GEMM ops — linear, conv — in int8, the rest fp32).
 
-Run: ``.venv/bin/python benchmarks/predictor_accuracy.py [--steps 20] [--out FILE]``.
+Run: ``.venv/bin/python benchmarks/predictor_accuracy.py [--steps N] [--out FILE]``.
 """
 
 import os
@@ -44,8 +47,9 @@ from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
-from qsync_lab.profile import (METHODS, default_cast_sizes, default_copy_sizes, default_sizes,
-                               fit_alpha_beta, fit_casts, fit_step_overhead, intra_op_threads,
+from qsync_lab.profile import (METHODS, copy_pass_us, default_cast_sizes, default_copy_sizes,
+                               default_sizes, fit_alpha_beta, fit_casts, fit_ddp_link,
+                               measure_ddp_overhead, fit_step_overhead, intra_op_threads,
                                link_metadata, profile_allreduce, profile_casts,
                                profile_ops_concurrently, run_metadata, step_overhead_metadata,
                                write_device_profile)
@@ -59,6 +63,9 @@ MODELS = {
     "resnet18": {"num_classes": 10, "image_size": 32},
     "bert_mini": {"seq_len": 32, "num_labels": 2, "vocab_size": 2000},
 }
+#: DDP steps per run: a few seconds of steps each (a digits_cnn step is ~3 ms, and its
+#: gloo latency spikes make a short run's median noisy); the first fifth are warm-up
+STEPS = {"digits_cnn": 300, "resnet18": 40, "bert_mini": 30}
 PRECISIONS = ("fp32", "bf16", "int8")
 CAST_PAIRS = (("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "int8"), ("int8", "fp16"),
               ("fp32", "fp16"), ("fp16", "fp32"))
@@ -78,45 +85,51 @@ def plans(graph) -> dict[str, dict[str, str]]:
             "mixed": {name: "int8" for name in gemms[:len(gemms) // 2]}}
 
 
-def build_profile(path: Path, batch_size: int, repeats: int, method: str) -> list[str]:
-    """Profile the three models (ops timed by ``method``), the casts and the allreduces;
-    return report lines."""
+def profile_model(name: str, batch_size: int, repeats: int, method: str) -> pd.DataFrame:
+    """Time one model's ops (by ``method``) in 2 processes at once, as the ranks run; write
+    them with their FQNs to the model's own profile and return them."""
     torch.set_num_threads(THREADS)
-    frames = []
-    for name, kwargs in tqdm(MODELS.items(), desc="profile models"):
-        inputs, target = example_batch(name, batch_size, **kwargs)
-        rows = profile_ops_concurrently(get_model(name, **kwargs), inputs, target,
-                                        model_spec(name).loss_fn(), PRECISIONS, processes=2,
-                                        threads=THREADS, repeats=repeats, method=method)
-        # the model's own file keeps the FQNs (the runs read it first); in the shared file
-        # FQNs ("conv1", "fc") would collide across models, so there rows match by
-        # (kind, shapes) only, which is model-independent
-        write_device_profile(MODEL_PROFILES / f"{name}.csv", [rows],
-                             run_metadata("cpu", threads=THREADS))
-        frames.append(rows.assign(op=""))
+    kwargs = MODELS[name]
+    inputs, target = example_batch(name, batch_size, **kwargs)
+    rows = profile_ops_concurrently(get_model(name, **kwargs), inputs, target,
+                                    model_spec(name).loss_fn(), PRECISIONS, processes=2,
+                                    threads=THREADS, repeats=repeats, method=method)
+    write_device_profile(MODEL_PROFILES / f"{name}.csv", [rows],
+                         run_metadata("cpu", threads=THREADS))
+    return rows
+
+
+def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame, dict, list]:
+    """Profile the casts, DDP's copies, the allreduces and the step overhead and write them
+    to ``path``; return the cast rows, the metadata and report lines."""
+    torch.set_num_threads(THREADS)
     casts = pd.concat([profile_casts(CAST_PAIRS, default_cast_sizes(), repeats=repeats),
                        profile_casts([("fp32", "fp32")], default_copy_sizes(), repeats=repeats)])
     cast_fits = fit_casts(casts)
-    allreduce = profile_allreduce(default_sizes(), repeats=repeats)
+    allreduce = profile_allreduce(default_sizes(), repeats=3 * repeats)  # latency is noisy here
     link_name = load_cluster(CLUSTER).intra_node_links[0].name
-    link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
-                          link=link_name, source=f"profile:{path.name}")
+    alone = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
+                           link=link_name, source=f"profile:{path.name}")
+    link = fit_ddp_link(measure_ddp_overhead(threads=THREADS), copy_pass_us(cast_fits),
+                        link=link_name, source=f"profile:{path.name} ddp-calibration")
     with intra_op_threads(THREADS):
         overhead = fit_step_overhead(repeats=repeats, method=method)
     metadata = {**run_metadata("cpu", threads=THREADS), "profile_method": method,
                 **step_overhead_metadata(overhead),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo")}
-    write_device_profile(path, [*frames, casts], metadata)
-    lines = [f"profile: {os.path.relpath(path, ROOT)} ({sum(map(len, frames))} op rows, "
-             f"{THREADS} thread, ops timed {method})", "cast fits (time_us = a*numel + b):"]
+    write_device_profile(path, [casts], metadata)
+    lines = ["cast fits (time_us = a*numel + b):"]
     lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
               f"R2={fit.r2:.4f}" for pair, fit in cast_fits.items()]
     lines.append(f"step overhead fit (calibration MLPs): {overhead.intercept:.1f} us per step "
                  f"{overhead.slope:+.2f} us per op event, R2={overhead.r2:.4f}")
-    lines.append(f"allreduce fit ({link_name}, gloo, 2 ranks): alpha={link.link.latency_s * 1e6:.1f}"
-                 f" us  beta={link.link.bandwidth_Bps / 1e9:.3f} GB/s  R2={link.line.r2:.4f}")
-    return lines
+    lines += [f"allreduce fit ({link_name}, gloo, 2 ranks, {what}): alpha="
+              f"{fit.link.latency_s * 1e6:.1f} us  beta={fit.link.bandwidth_Bps / 1e9:.3f} GB/s"
+              f"  R2={fit.line.r2:.4f}"
+              for what, fit in (("idle ranks, not used", alone),
+                                ("DDP steps of calibration MLPs, used", link))]
+    return casts, metadata, lines
 
 
 def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path,
@@ -130,7 +143,8 @@ def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path,
         name, kwargs).save(plan_path)
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "NUMBA_NUM_THREADS": str(THREADS)}
     subprocess.run(torchrun_command(str(plan_path), 2, runtime_args=[
-        "--data", "synthetic", "--steps", str(steps), "--checkpoint-every", "0",
+        "--data", "synthetic", "--steps", str(steps), "--warmup-steps", str(steps // 5),
+        "--checkpoint-every", "0",
         "--threads", str(THREADS), "--profile", str(MODEL_PROFILES / f"{name}.csv"),
         "--profile", str(profile), "--run-dir", str(run_dir)]),
         check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -139,8 +153,10 @@ def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, help="DDP steps per run (default: STEPS)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="profile and run every case this many times (medians)")
     parser.add_argument("--profile", type=Path, default=ROOT / "data/profiles/cpu.csv")
     parser.add_argument("--method", choices=METHODS, default="in_step",
                         help="how ops are timed (qsync_lab.profile.profile_ops)")
@@ -155,20 +171,34 @@ def main() -> None:
               f"{batch_size}/rank), torch {torch.__version__}; 1/5/15-min load before: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
     if not args.reuse_profile:
-        report += build_profile(args.profile, batch_size, args.repeats, args.method)
-    rows = []
-    cases = [(name, plan_name, plan) for name, kwargs in MODELS.items()
-             for plan_name, plan in plans(_graph(name, kwargs, batch_size)).items()]
+        casts, metadata, lines = profile_machine(args.profile, args.repeats, args.method)
+        report += lines
+    runs, model_rows = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        for name, plan_name, plan in tqdm(cases, desc="DDP runs"):
-            run = measure(name, MODELS[name], plan, args.steps, Path(folder), args.profile)
-            rows.append({"model": name, "plan": plan_name,
-                         "step_ms": run["measured_step_ms"], "pred_ms": run["predicted_step_ms"],
-                         "step_err_%": run["step_error_pct"],
-                         "peak_MiB": run["measured_peak_memory_mib"],
-                         "pred_MiB": run["predicted_peak_memory_mib"],
-                         "mem_err_%": run["memory_error_pct"]})
-    table = pd.DataFrame(rows)
+        for _ in tqdm(range(args.rounds), desc="rounds"):
+            for name, kwargs in MODELS.items():
+                if not args.reuse_profile:  # right before its runs: the machine drifts
+                    model_rows[name] = profile_model(name, batch_size, args.repeats,
+                                                     args.method)
+                for plan_name, plan in plans(_graph(name, kwargs, batch_size)).items():
+                    run = measure(name, kwargs, plan, args.steps or STEPS[name], Path(folder),
+                                  args.profile)
+                    runs.append({"model": name, "plan": plan_name,
+                                 "step_ms": run["measured_step_ms"],
+                                 "pred_ms": run["predicted_step_ms"],
+                                 "peak_MiB": run["measured_peak_memory_mib"],
+                                 "pred_MiB": run["predicted_peak_memory_mib"]})
+    table = summarize(pd.DataFrame(runs))
+    if model_rows:  # the shipped profile: the machine's and every model's rows, by shape
+        # only (FQNs such as "conv1" and "fc" collide across models)
+        write_device_profile(args.profile, [*(r.assign(op="") for r in model_rows.values()),
+                                            casts], metadata)
+        report.insert(1, f"profile: {os.path.relpath(args.profile, ROOT)} and "
+                         f"{os.path.relpath(MODEL_PROFILES, ROOT)}/<model>.csv "
+                         f"({sum(map(len, model_rows.values()))} op rows, {THREADS} thread, "
+                         f"ops timed {args.method}, each model right before its runs); "
+                         f"{args.rounds} rounds of profile + runs, medians over the rounds, "
+                         "spread = (max - min) / median of the measured step")
     step_mae = statistics.median(table["step_err_%"].abs())
     mem_mae = statistics.median(table["mem_err_%"].abs())
     load = os.getloadavg()
@@ -182,6 +212,26 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+
+
+def summarize(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per case: medians over the rounds of the measured and predicted step time
+    and peak memory, the measured step's spread, and the errors of the medians.
+
+    Example::
+
+        >>> runs = pd.DataFrame({"model": "m", "plan": "p", "step_ms": [9.0, 10.0, 12.0],
+        ...                      "pred_ms": [10.5, 10.0, 11.0], "peak_MiB": 2.0,
+        ...                      "pred_MiB": 2.2})
+        >>> summarize(runs)[["step_ms", "spread_%", "pred_ms", "step_err_%"]].round(2).values.tolist()
+        [[10.0, 30.0, 10.5, 5.0]]
+    """
+    table = runs.groupby(["model", "plan"], sort=False).median().reset_index()
+    steps = runs.groupby(["model", "plan"], sort=False)["step_ms"]
+    table.insert(3, "spread_%", 100 * (steps.max() - steps.min()).values / table["step_ms"])
+    table.insert(5, "step_err_%", 100 * (table["pred_ms"] / table["step_ms"] - 1))
+    table["mem_err_%"] = 100 * (table["pred_MiB"] / table["peak_MiB"] - 1)
+    return table
 
 
 def _graph(name: str, kwargs: dict, batch_size: int):

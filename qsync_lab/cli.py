@@ -10,6 +10,7 @@ Example::
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 
@@ -99,6 +100,9 @@ def _add_profile_parser(sub) -> None:
                          "(they share caches and memory bandwidth; default 1)")
     profile.add_argument("--method", default="in_step", choices=["in_step", "isolated"],
                          help="time ops inside training steps (in_step) or one at a time")
+    profile.add_argument("--ddp-link", action=argparse.BooleanOptionalAction, default=True,
+                         help="fit the link to real DDP steps of calibration MLPs (about a "
+                         "minute; else the allreduce microbenchmark's fit is written)")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=_cmd_profile)
 
@@ -108,9 +112,10 @@ def _cmd_profile(args) -> None:
 
     from qsync_lab.models import example_batch, get_model, model_spec
     from qsync_lab.precision import Precision
-    from qsync_lab.profile import (default_cast_sizes, default_copy_sizes, default_sizes,
-                                   fit_alpha_beta, fit_casts, fit_step_overhead,
-                                   intra_op_threads, link_metadata, profile_allreduce,
+    from qsync_lab.profile import (copy_pass_us, default_cast_sizes, default_copy_sizes,
+                                   default_sizes, fit_alpha_beta, fit_casts, fit_ddp_link,
+                                   fit_step_overhead, intra_op_threads, link_metadata,
+                                   measure_ddp_overhead, profile_allreduce,
                                    profile_casts, profile_ops, profile_ops_concurrently,
                                    run_metadata, step_overhead_metadata, write_device_profile)
 
@@ -138,6 +143,10 @@ def _cmd_profile(args) -> None:
     allreduce = profile_allreduce(default_sizes(), repeats=args.repeats)
     link = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
                           link="loopback")
+    if args.ddp_link:
+        link = fit_ddp_link(measure_ddp_overhead(threads=args.threads),
+                            copy_pass_us(fit_casts(casts)), link="loopback",
+                            source=f"profile:{Path(args.out).name} ddp-calibration")
     metadata = {**run_metadata("cpu", threads=args.threads), "profile_method": args.method,
                 **step_overhead_metadata(overhead),
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
@@ -265,7 +274,6 @@ def _uniform_plan(graph, items: list[str]) -> dict[str, dict[str, str]]:
 
 def _read_plan_json(path: str) -> dict:
     import json
-    from pathlib import Path
 
     try:
         plan = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,48 @@
+"""The DDP-calibrated link: the fit recovers a known α–β, and the measurement runs real
+2-rank gloo DDP steps."""
+
+import pandas as pd
+import pytest
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.profile import LineFit, copy_pass_us, fit_ddp_link, measure_ddp_overhead
+
+
+def _frame(alpha_us, us_per_byte, copy):
+    buckets = [1, 1, 2, 2, 3]
+    wire = [1e5, 2e6, 3e6, 8e6, 2e7]
+    added_us = [2 * alpha_us * b + w * us_per_byte + 3 * copy(w) for b, w in zip(buckets, wire)]
+    return pd.DataFrame({"buckets": buckets, "wire_bytes": wire, "bucket_bytes": wire,
+                         "plain_ms": 1.0, "ddp_ms": [1.0 + a / 1e3 for a in added_us]})
+
+
+def test_fit_recovers_a_known_link_after_the_copies():
+    copy = copy_pass_us({"fp32->fp32": LineFit(0.2e-3, -20.0, 1.0, 4)})
+    fit = fit_ddp_link(_frame(300.0, 1e-3, copy), copy, link="loopback")
+    assert fit.link.latency_s * 1e6 == pytest.approx(300.0)
+    assert fit.link.bandwidth_Bps == pytest.approx(1e9)  # 1e-3 us per byte
+    assert fit.line.r2 == pytest.approx(1.0) and fit.link.name == "loopback"
+    assert fit.link.source.startswith("fit:ddp-calibration")
+    # forgetting the copies would make the link look slower
+    naive = fit_ddp_link(_frame(300.0, 1e-3, copy), lambda b: 0.0, link="loopback")
+    assert naive.link.bandwidth_Bps < 0.9e9
+
+
+def test_fit_rejects_too_few_models_and_a_negative_link():
+    copy = copy_pass_us({"fp32->fp32": LineFit(0.0, 0.0, 1.0, 2)})
+    with pytest.raises(QSyncError, match="at least 2"):
+        fit_ddp_link(_frame(300.0, 1e-3, copy).head(1), copy, link="x")
+    with pytest.raises(QSyncError, match="positive"):
+        fit_ddp_link(_frame(-300.0, 1e-3, copy), copy, link="x")
+    with pytest.raises(QSyncError, match="fp32->fp32"):
+        copy_pass_us({})
+
+
+def test_measurement_runs_real_ddp_steps():
+    frame = measure_ddp_overhead([(16, 1), (16, 3)], steps=3, warmup=1)
+    assert frame[["width", "depth"]].values.tolist() == [[16, 1], [16, 3]]
+    assert frame["buckets"].tolist() == [1, 1]
+    assert frame["bucket_bytes"].tolist() == [4.0 * (16 * 16 + 16), 4.0 * 3 * (16 * 16 + 16)]
+    assert (frame["plain_ms"] > 0).all() and (frame["ddp_ms"] > 0).all()
+    with pytest.raises(QSyncError, match="world_size"):
+        measure_ddp_overhead([(16, 1)], world_size=1)
