@@ -19,7 +19,7 @@ def step():
 for _ in range(8):  # the heap settles (where freed blocks land) within a few steps
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
+for _ in range(20):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -34,8 +34,9 @@ def _faults(mode: str) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_memory_takes_no_page_faults_in_steady_steps():
     pages_per_step = (_STEP_MIB << 20) // 4096
-    assert _faults("default") >= 5 * pages_per_step  # every step maps fresh pages
-    assert _faults("keep") < pages_per_step  # less than one step's pages in ten steps
+    assert _faults("default") >= 15 * pages_per_step  # (nearly) every step maps fresh pages
+    # the heap may still move a block now and then (seen: 0-2 steps in 20), never often
+    assert _faults("keep") <= 5 * pages_per_step
 
 
 def test_keep_freed_memory_is_idempotent():
