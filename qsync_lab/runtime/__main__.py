@@ -31,8 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="continue from --run-dir's checkpoint when there is one")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True)")
-    parser.add_argument("--warmup-steps", type=int, default=3,
-                        help="steps left out of the step-time median")
+    parser.add_argument("--warmup-steps", type=int,
+                        help="steps left out of the step-time median (default: the first "
+                        "fifth, at least 3)")
     parser.add_argument("--profile", action="append", default=[], metavar="CSV",
                         help="measured profile(s) for the prediction (default: shipped cpu.csv)")
     parser.add_argument("--threads", type=int,

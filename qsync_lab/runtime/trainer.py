@@ -62,6 +62,7 @@ __all__ = ["DEVICE_KIND_ENV", "TrainConfig", "train"]
 
 DEVICE_KIND_ENV = "QSYNC_DEVICE_KIND"
 MEMORY_STEPS = 2
+MIN_WARMUP_STEPS = 3
 #: runtime optimizer -> the simulator's name for it
 OPTIMIZERS = {"sgd": "sgd_momentum", "adamw": "adamw"}
 CHECKPOINT = "checkpoint.pt"
@@ -86,7 +87,9 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``run_dir``'s checkpoint if there is one.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (bit-reproducible runs).
-        warmup_steps: steps of each attempt left out of the step-time median.
+        warmup_steps: steps of each attempt left out of the step-time median (None: the
+            first fifth, at least 3; a ms-scale model's gloo and allocator warm up over
+            tens of steps).
         profiles: measured profile CSVs for the prediction (default: the shipped CPU one).
     """
 
@@ -103,7 +106,7 @@ class TrainConfig:
     checkpoint_every: int = 20
     resume: bool = False
     deterministic: bool = False
-    warmup_steps: int = 3
+    warmup_steps: int | None = None
     profiles: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -112,6 +115,8 @@ class TrainConfig:
                              f"{', '.join(OPTIMIZERS)}")
         for name in ("steps", "checkpoint_every", "warmup_steps"):
             value = getattr(self, name)
+            if name == "warmup_steps" and value is None:
+                continue
             if not isinstance(value, int) or value < (1 if name == "steps" else 0):
                 raise QSyncError(f"{name} must be a {'positive' if name == 'steps' else 'non-negative'}"
                                  f" integer, got {value!r}")
@@ -318,7 +323,9 @@ class _Run:
                           f'{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}}}\n')
 
     def _finish(self, step_times: list[float], memory_peak: int, start: int) -> dict | None:
-        timed = step_times[self.config.warmup_steps:] or step_times
+        warmup = self.config.warmup_steps
+        warmup = max(MIN_WARMUP_STEPS, len(step_times) // 5) if warmup is None else warmup
+        timed = step_times[warmup:] or step_times
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                          for p in self.ddp.module.parameters())).hexdigest()[:16]
         mine = {"rank": self.rank, "kind": self.kind, "batch_size": self.batch_sizes[self.rank],

@@ -1,6 +1,7 @@
 """The training runtime in this process on one gloo rank: logs, checkpoints, resume, errors."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -34,6 +35,10 @@ def test_training_logs_every_step_checkpoints_and_learns(tmp_path, single_rank_g
     assert summary["test_accuracy"] > 0.8
     assert summary["ranks"][0]["applied_plan"]["fc1"] == "int8"
     assert summary["predicted_step_ms"] > 0 and summary["measured_peak_memory_mib"] > 0
+    # the step-time median leaves out the first fifth of the steps (8 of 40) by default
+    timed = [r["step_ms"][0] for r in records[8:]]
+    assert summary["ranks"][0]["median_step_ms"] == pytest.approx(statistics.median(timed),
+                                                                  abs=1e-3)
     assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 30
     # the final weights are a plain state_dict: a model without any plan loads them
     get_model("digits_cnn").load_state_dict(torch.load(tmp_path / "run" / "final.pt")["model"])
