@@ -246,11 +246,8 @@ class CostModel:
         """
         if ranks == 1:
             return Cost(0.0, "single rank")
-        links = [self.link_fits.get(link.name, link) for link in links]
-        slowest = slowest_link(links)
-        fitted = any(link.name in self.link_fits for link in links)
-        return Cost(ring_allreduce_us(nbytes, ranks, links),
-                    f"alpha-beta:{slowest.name}" + (f" ({slowest.source})" if fitted else ""))
+        links, source = self._links(links)
+        return Cost(ring_allreduce_us(nbytes, ranks, links), source)
 
     def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
         """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the
@@ -262,8 +259,16 @@ class CostModel:
             >>> CostModel().broadcast_time_us(1.25e6, 2, [link])   # 20 us + 1.25 MB at 12.5 GB/s
             Cost(us=120.0, source='alpha-beta:eth_100g')
         """
+        links, source = self._links(links)
+        return Cost(broadcast_us(nbytes, ranks, links), source)
+
+    def _links(self, links: Sequence[LinkSpec]) -> tuple[list[LinkSpec], str]:
+        """``links`` with measured fits in place of catalog links, and the source label of
+        a collective over them (the slowest link, and its fit when it was measured)."""
         links = [self.link_fits.get(link.name, link) for link in links]
-        return Cost(broadcast_us(nbytes, ranks, links), f"alpha-beta:{slowest_link(links).name}")
+        slowest = slowest_link(links)
+        fitted = slowest.name in self.link_fits
+        return links, f"alpha-beta:{slowest.name}" + (f" ({slowest.source})" if fitted else "")
 
     def optimizer_time_us(self, param_bytes: float, optimizer: str, device: DeviceSpec) -> Cost:
         """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound:

@@ -44,6 +44,10 @@ def test_profile_round_trip_and_cost_model(tmp_path):
     cost = costs.allreduce_time_us(1e6, 2, [load_catalog().link("loopback")])
     assert cost.us == pytest.approx((1e6 / 3e9 + 2 * 50e-6) * 1e6)
     assert "R2 0.9900" in cost.source
+    # DDP's buffer broadcast uses the fitted link too, and says so
+    broadcast = costs.broadcast_time_us(1e6, 2, [load_catalog().link("loopback")])
+    assert broadcast.source == cost.source
+    assert broadcast.us == pytest.approx((1e6 / 3e9 + 50e-6) * 1e6)
     assert read_link_fits(path)["loopback"].bandwidth_Bps == pytest.approx(3e9)
 
 
