@@ -5,7 +5,7 @@ together after a barrier. Inside a DDP step they run while the other rank still 
 on the cores that compute (gloo on CPU), and DDP's reducer and forward add their own work.
 Measured on this project's 2-core VM (2 ranks, 1 thread each): a 16-layer width-512 MLP's
 step costs 22 ms more under DDP than without, where the microbenchmark's α–β and the
-bucket copies account for about 12 ms; the simulator under-predicted real steps by 4-9 %
+bucket copies account for about 12 ms; the simulator under-predicted real steps by 3-9 %
 (BERT-mini, ResNet-18) and 35-45 % (the digits CNN) with the microbenchmark's link.
 
 :func:`measure_ddp_overhead` runs calibration MLPs (never the models being predicted)
