@@ -1,9 +1,15 @@
 """Peak tensor memory of a stretch of training, on the CPU or on CUDA.
 
-On CUDA it is ``torch.cuda.max_memory_allocated`` since the window opened. On the CPU,
-torch.profiler's memory events (+bytes per allocation, -bytes per free) summed in time
-order: every tensor the window allocates is inside it, so the running sum is the live
-tensor bytes and the peak is its maximum.
+On CUDA it is ``torch.cuda.max_memory_allocated`` since the window opened. On the CPU it
+comes from torch.profiler's memory events over the window. The profiler sees only the
+allocations and frees of the thread it runs on, and a tensor allocated there but freed on
+another thread (gloo's worker drops DDP's flattened broadcast buffer on about one run in
+four) would stay live forever in a running sum of the events. So while the window is open
+we also turn on c10's CPU memory accounting (``FLAGS_caffe2_report_cpu_memory_usage``),
+which counts the frees of every thread: each event then carries the process-wide live
+total, and the peak is its maximum over the window, less the total the window began with.
+Where a torch build does not export that flag, the peak falls back to the running sum of
+the events.
 
 Example::
 
@@ -14,9 +20,24 @@ Example::
     True
 """
 
+import ctypes
+import pathlib
+
 import torch
 
 __all__ = ["MemoryWindow", "peak_cpu_bytes"]
+
+_ACCOUNTING_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+def _accounting_flag() -> ctypes.c_bool | None:
+    """c10's all-thread CPU memory accounting switch, or None if this build hides it."""
+    for library in sorted((pathlib.Path(torch.__file__).parent / "lib").glob("*c10.*")):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(str(library)), _ACCOUNTING_FLAG)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class MemoryWindow:
@@ -25,13 +46,18 @@ class MemoryWindow:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.peak_bytes: int | None = None
+        self._profiler = None
+        self._flag = None
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-            self._profiler = None
-        else:
-            self._profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+            return
+        self._flag = _accounting_flag()
+        if self._flag is not None:
+            self._flag_before = self._flag.value
+            self._flag.value = True
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
 
     @property
     def is_open(self) -> bool:
@@ -44,17 +70,37 @@ class MemoryWindow:
                 self.peak_bytes = int(torch.cuda.max_memory_allocated())
             else:
                 self._profiler.__exit__(None, None, None)
-                self.peak_bytes = peak_cpu_bytes(self._profiler)
+                if self._flag is not None:
+                    self._flag.value = self._flag_before
+                self.peak_bytes = peak_cpu_bytes(self._profiler,
+                                                 all_threads=self._flag is not None)
                 self._profiler = None
         return self.peak_bytes
 
 
-def peak_cpu_bytes(prof: torch.profiler.profile) -> int:
-    """Maximum running sum of a finished profiler's ``[memory]`` events, in time order."""
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
+def peak_cpu_bytes(prof: torch.profiler.profile, all_threads: bool = False) -> int:
+    """Peak live tensor bytes of a finished profiler's allocation events.
+
+    ``all_threads``: the events' process-wide live totals are trusted (c10's accounting
+    was on), so frees on other threads count; otherwise the running sum of the events.
+    """
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0].name == "Allocation":
+            fields = event.typed[1]
+            if fields.device.type == "cpu":
+                events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    events.sort()
+    if not events:
+        return 0
+    if all_threads:
+        _, first_bytes, first_total = events[0]
+        return max(0, max(total for _, _, total in events) - (first_total - first_bytes))
     live = peak = 0
-    for _, nbytes in records:
+    for _, nbytes, _ in events:
         live += nbytes
         peak = max(peak, live)
     return peak

@@ -25,8 +25,9 @@ The rank's process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as
 profiler's processes do: steady steps take no page faults, in the run and in the profile.
 
 Peak tensor memory for the summary: on CUDA ``max_memory_allocated``; on the CPU,
-torch.profiler memory events over the model build and the first ``MEMORY_STEPS`` steps of
-each attempt (the live tensor bytes' maximum).
+torch.profiler memory events with c10's all-thread accounting over the model build and the
+first ``MEMORY_STEPS`` steps of each attempt (the live tensor bytes' maximum;
+:mod:`qsync_lab.runtime.memory`).
 """
 
 import hashlib

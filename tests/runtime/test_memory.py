@@ -1,0 +1,64 @@
+"""The CPU peak tensor memory window against hand counts."""
+
+import queue
+import threading
+
+import pytest
+import torch
+
+from qsync_lab.runtime.memory import MemoryWindow, _accounting_flag, peak_cpu_bytes
+
+MIB = 2**20
+
+
+def _floats(mib: float) -> torch.Tensor:
+    return torch.zeros(int(mib * MIB) // 4)
+
+
+def test_peak_is_the_largest_live_set_of_the_window():
+    before = _floats(8)  # allocated before the window: not counted
+    window = MemoryWindow(cuda=False)
+    a, b = _floats(4), _floats(2)      # live 6
+    del a
+    c = _floats(1)                      # live 3
+    del before                          # freed inside, allocated outside: ignored
+    assert window.close() == 6 * MIB
+    assert window.close() == 6 * MIB and not window.is_open
+    del b, c
+
+
+def test_a_free_on_another_thread_ends_the_tensor():
+    """gloo's worker can drop the last reference to a tensor the training thread made."""
+    assert _accounting_flag() is not None, "this torch build should export c10's flag"
+    inbox: queue.Queue = queue.Queue()
+    worker = threading.Thread(target=inbox.get)
+    worker.start()
+    window = MemoryWindow(cuda=False)
+    a = _floats(4)
+    inbox.put(a)
+    del a
+    worker.join()                       # the worker held the last reference: freed there
+    b = _floats(4)
+    assert window.close() == 4 * MIB    # a running sum of this thread's events says 8
+    del b
+
+
+def test_the_window_restores_the_accounting_flag():
+    flag = _accounting_flag()
+    assert flag is not None and not flag.value
+    window = MemoryWindow(cuda=False)
+    assert flag.value
+    window.close()
+    assert not flag.value
+
+
+@pytest.mark.parametrize("mib", [1, 16])
+def test_fallback_running_sum_matches_on_one_thread(mib):
+    window = MemoryWindow(cuda=False)
+    profiler = window._profiler
+    x = _floats(mib)
+    del x
+    y = _floats(mib / 2)
+    assert window.close() == mib * MIB
+    assert peak_cpu_bytes(profiler, all_threads=False) == mib * MIB
+    del y
