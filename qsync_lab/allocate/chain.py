@@ -40,6 +40,7 @@ import numpy as np
 from qsync_lab.costs import CostModel, OpWork, batch_scales
 from qsync_lab.devices import DeviceSpec
 from qsync_lab.precision import Precision
+from qsync_lab.simulate.memory import saved_bits
 from qsync_lab.simulate.policy import backward_precision, storage_precision
 
 __all__ = ["ChainCosts", "chain_costs", "output_storage"]
@@ -124,8 +125,9 @@ def chain_costs(work: OpWork, ops: Sequence[int], device: DeviceSpec, costs: Cos
             total = total + _cast(costs, input_numel + weight_numel, Precision.INT8, stored_q,
                                   device)
         node[:, c] = total
-        low_copy = weight_numel * stored.bits / 8 if stored is not Precision.FP32 else 0.0
-        memory[:, c] = work.saved_bytes[index] * scale * stored.bits / 32 + low_copy
+        bits = np.array([saved_bits(work.kinds[i], p) for i in index], float)
+        low_copy = np.where(bits < 32, weight_numel * bits / 8, 0.0)
+        memory[:, c] = work.saved_bytes[index] * scale * bits / 32 + low_copy
     storages = {output_storage(p) for p in precisions} | {storage_precision(p) for p in precisions}
     cast_us = {(src, dst): (_cast(costs, input_numel, src, dst, device)
                             + _cast(costs, input_numel, dst, src, device))

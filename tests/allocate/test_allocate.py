@@ -71,11 +71,15 @@ def test_memory_budget_below_the_minimum_states_the_minimum(small_case):
 
 def test_memory_alone_makes_a_fast_enough_kind_quantize(small_case):
     prepared, cluster, costs, scores = small_case
-    fp32_gib = PlanEvaluator(prepared, cluster, costs).memory_bytes("T4", {}) / GIB
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    fp32_gib = evaluator.memory_bytes("T4", {}) / GIB
+    int8_gib = evaluator.memory_bytes("T4", {op: "int8" for op in scores.index}) / GIB
+    assert int8_gib < fp32_gib
+    budget_gib = (fp32_gib + int8_gib) / 2  # below fp32, above all-int8
     plan = allocate(prepared, cluster, costs, scores,
-                    Constraints(memory_gib={"T4": fp32_gib * 0.95}, throughput_samples_per_s=1.0))
+                    Constraints(memory_gib={"T4": budget_gib}, throughput_samples_per_s=1.0))
     assert plan.low_precision_ops()["T4"] > 0
-    _check(plan, prepared, cluster, costs, target_us=float("inf"), budget_gib=fp32_gib * 0.95)
+    _check(plan, prepared, cluster, costs, target_us=float("inf"), budget_gib=budget_gib)
 
 
 def test_unreachable_explicit_throughput_is_a_one_line_error(small_case):

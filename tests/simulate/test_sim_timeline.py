@@ -199,8 +199,10 @@ def test_batch_size_scales_compute_not_parameters(make_cluster):
     small_fwd = _compute(small, 1).query("phase == 'forward'")
     big_fwd = _compute(big, 1).query("phase == 'forward'")
     assert (big_fwd["bytes"].to_numpy() > small_fwd["bytes"].to_numpy()).all()
-    assert big.memory_breakdown.loc[1, "activations"] == pytest.approx(
-        64 * small.memory_breakdown.loc[1, "activations"])
+    # at 4096 the activations outweigh the gradients: the peak is at the start of backward,
+    # each op's saved input (Linear, Linear) or output (ReLU) of 4096x256 fp32 held
+    assert big.memory_breakdown.loc[1, "activations"] == 4096 * 3 * 256 * 4
+    assert big.peak_memory_bytes[1] > small.peak_memory_bytes[1]
     assert big.memory_breakdown.loc[1, "master_weights"] == small.memory_breakdown.loc[
         1, "master_weights"]
     assert big.idle_us[0] > big.idle_us[1]  # the rank with 64x the batch gates the other
