@@ -16,8 +16,10 @@ For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per
    memory events), and the simulator's prediction of the same case from those profiles,
    the model's own first (the run's ``summary.json``). At the end every model's op rows
    join ``data/profiles/cpu.csv``, matched there by kind and shapes;
-4. print measured beside predicted, the errors, and their medians against the targets
-   (step time ≤ 5 %, peak memory ≤ 10 %).
+4. print measured beside predicted (medians over the rounds), the errors (per round, each
+   prediction against the runs it was profiled right before; then the median over the
+   rounds), and the medians of the cases' errors against the targets (step time ≤ 5 %,
+   peak memory ≤ 10 %); with ``--out``, every run also goes to ``<out>.runs.csv``.
 
 Plans: ``fp32`` (nothing planned), ``bf16`` (every plannable op in bf16) and ``mixed``
 (the first half of the GEMM ops — linear, conv — in int8, the rest fp32).
@@ -175,7 +177,7 @@ def main() -> None:
         report += lines
     runs, model_rows = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        for _ in tqdm(range(args.rounds), desc="rounds"):
+        for round_index in tqdm(range(args.rounds), desc="rounds"):
             for name, kwargs in MODELS.items():
                 if not args.reuse_profile:  # right before its runs: the machine drifts
                     model_rows[name] = profile_model(name, batch_size, args.repeats,
@@ -183,12 +185,13 @@ def main() -> None:
                 for plan_name, plan in plans(_graph(name, kwargs, batch_size)).items():
                     run = measure(name, kwargs, plan, args.steps or STEPS[name], Path(folder),
                                   args.profile)
-                    runs.append({"model": name, "plan": plan_name,
+                    runs.append({"round": round_index, "model": name, "plan": plan_name,
                                  "step_ms": run["measured_step_ms"],
                                  "pred_ms": run["predicted_step_ms"],
                                  "peak_MiB": run["measured_peak_memory_mib"],
                                  "pred_MiB": run["predicted_peak_memory_mib"]})
-    table = summarize(pd.DataFrame(runs))
+    runs = pd.DataFrame(runs)
+    table = summarize(runs)
     if model_rows:  # the shipped profile: the machine's and every model's rows, by shape
         # only (FQNs such as "conv1" and "fc" collide across models)
         write_device_profile(args.profile, [*(r.assign(op="") for r in model_rows.values()),
@@ -197,8 +200,10 @@ def main() -> None:
                          f"{os.path.relpath(MODEL_PROFILES, ROOT)}/<model>.csv "
                          f"({sum(map(len, model_rows.values()))} op rows, {THREADS} thread, "
                          f"ops timed {args.method}, each model right before its runs); "
-                         f"{args.rounds} rounds of profile + runs, medians over the rounds, "
-                         "spread = (max - min) / median of the measured step")
+                         f"{args.rounds} rounds of profile + runs, medians over the rounds "
+                         "(errors: each round's prediction against its own runs), spread = "
+                         "(max - min) / median of the measured step; every run in "
+                         "<out>.runs.csv")
     step_mae = statistics.median(table["step_err_%"].abs())
     mem_mae = statistics.median(table["mem_err_%"].abs())
     load = os.getloadavg()
@@ -212,25 +217,31 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+        runs.to_csv(args.out.with_suffix(".runs.csv"), index=False, float_format="%.3f")
 
 
 def summarize(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per case: medians over the rounds of the measured and predicted step time
-    and peak memory, the measured step's spread, and the errors of the medians.
+    and peak memory, the measured step's spread, and the errors: per round the prediction
+    against the runs it was profiled right before (the machine drifts between rounds),
+    then their median.
 
     Example::
 
         >>> runs = pd.DataFrame({"model": "m", "plan": "p", "step_ms": [9.0, 10.0, 12.0],
-        ...                      "pred_ms": [10.5, 10.0, 11.0], "peak_MiB": 2.0,
+        ...                      "pred_ms": [9.9, 10.0, 11.4], "peak_MiB": 2.0,
         ...                      "pred_MiB": 2.2})
         >>> summarize(runs)[["step_ms", "spread_%", "pred_ms", "step_err_%"]].round(2).values.tolist()
-        [[10.0, 30.0, 10.5, 5.0]]
+        [[10.0, 30.0, 10.0, 0.0]]
     """
-    table = runs.groupby(["model", "plan"], sort=False).median().reset_index()
-    steps = runs.groupby(["model", "plan"], sort=False)["step_ms"]
+    runs = runs.assign(step_err=100 * (runs["pred_ms"] / runs["step_ms"] - 1),
+                       mem_err=100 * (runs["pred_MiB"] / runs["peak_MiB"] - 1))
+    cases = runs.groupby(["model", "plan"], sort=False)
+    table = cases[["step_ms", "pred_ms", "peak_MiB", "pred_MiB"]].median().reset_index()
+    steps = cases["step_ms"]
     table.insert(3, "spread_%", 100 * (steps.max() - steps.min()).values / table["step_ms"])
-    table.insert(5, "step_err_%", 100 * (table["pred_ms"] / table["step_ms"] - 1))
-    table["mem_err_%"] = 100 * (table["pred_MiB"] / table["peak_MiB"] - 1)
+    table.insert(5, "step_err_%", cases["step_err"].median().values)
+    table["mem_err_%"] = cases["mem_err"].median().values
     return table
 
 
