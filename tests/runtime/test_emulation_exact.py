@@ -13,9 +13,18 @@ import torch
 
 from qsync_lab.kernels import absmax, quantize_int8
 from qsync_lab.models import MatMul
-from qsync_lab.runtime import apply_plan_
+from qsync_lab.runtime import apply_plan_, encoding
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True, params=["torch casts", "one-pass kernels"])
+def cast_path(request, monkeypatch):
+    """Run every test on both CPU paths: torch's casts (small tensors) and the one-pass
+    kernels that large tensors take (the size threshold lowered to 0)."""
+    if request.param == "one-pass kernels":
+        monkeypatch.setattr(encoding, "ONE_PASS_MIN", 0)
+    return request.param
 
 
 def _inputs(seed=0):
