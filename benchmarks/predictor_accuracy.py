@@ -60,6 +60,7 @@ from qsync_lab.simulate import PLANNABLE_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_PROFILES = ROOT / "benchmarks/results/profiles.tmp"  # per-model op rows (git-ignored)
+SHIPPED_PROFILE = ROOT / "data/profiles/cpu.csv"
 MODELS = {
     "digits_cnn": {},
     "resnet18": {"num_classes": 10, "image_size": 32},
@@ -159,13 +160,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3,
                         help="profile and run every case this many times (medians)")
-    parser.add_argument("--profile", type=Path, default=ROOT / "data/profiles/cpu.csv")
+    parser.add_argument("--profile", type=Path, default=SHIPPED_PROFILE)
     parser.add_argument("--method", choices=METHODS, default="in_step",
                         help="how ops are timed (qsync_lab.profile.profile_ops)")
     parser.add_argument("--reuse-profile", action="store_true",
                         help="use the existing profile instead of measuring it again")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                        help="models to run (default: all)")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
+    subset = set(args.models) != set(MODELS)
+    if subset and args.profile.resolve() == SHIPPED_PROFILE and not args.reuse_profile:
+        parser.error("--models with a subset rewrites the profile without the other models' "
+                     "rows; give --profile another path (e.g. /tmp/cpu.csv)")
     cluster = load_cluster(CLUSTER)
     batch_size = cluster.ranks[0].batch_size
     load = os.getloadavg()
@@ -178,7 +185,8 @@ def main() -> None:
     runs, model_rows = [], {}
     with tempfile.TemporaryDirectory() as folder:
         for round_index in tqdm(range(args.rounds), desc="rounds"):
-            for name, kwargs in MODELS.items():
+            for name in args.models:
+                kwargs = MODELS[name]
                 if not args.reuse_profile:  # right before its runs: the machine drifts
                     model_rows[name] = profile_model(name, batch_size, args.repeats,
                                                      args.method)
@@ -192,8 +200,8 @@ def main() -> None:
                                  "pred_MiB": run["predicted_peak_memory_mib"]})
     runs = pd.DataFrame(runs)
     table = summarize(runs)
-    if model_rows:  # the shipped profile: the machine's and every model's rows, by shape
-        # only (FQNs such as "conv1" and "fc" collide across models)
+    if model_rows:  # the machine's rows and every model's rows, by shape only (FQNs such
+        # as "conv1" and "fc" collide across models)
         write_device_profile(args.profile, [*(r.assign(op="") for r in model_rows.values()),
                                             casts], metadata)
         report.insert(1, f"profile: {os.path.relpath(args.profile, ROOT)} and "
