@@ -23,6 +23,7 @@ Example::
 import torch
 from torch import nn
 
+from qsync_lab.errors import QSyncError
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import profile_ops
@@ -34,14 +35,33 @@ __all__ = ["EVENT_OVERHEAD_KEY", "STEP_OVERHEAD_KEY", "fit_step_overhead",
 EVENT_OVERHEAD_KEY = "event_overhead_us"
 STEP_OVERHEAD_KEY = "step_overhead_us"
 DEFAULT_DEPTHS = (2, 4, 8, 16)
+MIN_R2 = 0.9  # a calibration line below this was disturbed: measure again
 
 
 def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int = 16,
-                      repeats: int = 20, warmup: int = 3, method: str = "in_step") -> LineFit:
+                      repeats: int = 20, warmup: int = 3, method: str = "in_step",
+                      min_r2: float = MIN_R2, attempts: int = 3) -> LineFit:
     """Fit ``step_us − Σ profile rows = slope·rows + intercept`` over calibration MLPs of
     ``depths`` Linear+ReLU blocks (see the module docstring): ``slope`` is µs per op
     event, ``intercept`` µs per step. ``method``: the profile method whose rows the fit
-    completes (:func:`~qsync_lab.profile.profile_ops`)."""
+    completes (:func:`~qsync_lab.profile.profile_ops`).
+
+    A fit with R² under ``min_r2`` was disturbed by other load on the machine (on a quiet
+    one it is above 0.99; a disturbed one read 0.50 here, with a negative per-event cost):
+    it is measured again, at most ``attempts`` times in all, and the best fit returned."""
+    if attempts < 1:
+        raise QSyncError(f"attempts must be at least 1, got {attempts}")
+    best = None
+    for _ in range(attempts):
+        fit = _fit_once(depths, width, batch_size, repeats, warmup, method)
+        best = fit if best is None or fit.r2 > best.r2 else best
+        if best.r2 >= min_r2:
+            break
+    return best
+
+
+def _fit_once(depths, width: int, batch_size: int, repeats: int, warmup: int,
+              method: str) -> LineFit:
     keep_freed_memory()  # as the ranks whose steps this completes
     events, residual_us = [], []
     generator = torch.Generator().manual_seed(0)
