@@ -9,7 +9,9 @@ bucket copies account for about 12 ms; the simulator under-predicted real steps 
 (BERT-mini, ResNet-18) and 35-45 % (the digits CNN) with the microbenchmark's link.
 
 :func:`measure_ddp_overhead` runs calibration MLPs (never the models being predicted)
-in ``world_size`` spawned processes, each timed without DDP and with it;
+in ``world_size`` spawned processes, each timed without DDP and with it, the two kinds of
+step alternating in the same processes (the machine's drift over the seconds a
+measurement takes hits both alike);
 :func:`fit_ddp_link` fits what DDP added, less the bucket copies the simulator counts
 separately (3 read-write passes over the buckets: 2 to pack, 1 to unpack; the profile's
 ``fp32->fp32`` line, :func:`copy_pass_us`), to the ring allreduce
@@ -86,7 +88,7 @@ def measure_ddp_overhead(mlps: Sequence[tuple[int, int]] = DEFAULT_MLPS, *,
                          world_size: int = 2, threads: int = 1, steps: int = 120,
                          warmup: int = 30) -> pd.DataFrame:
     """Median step of each calibration MLP in ``world_size`` processes at once, without DDP
-    and with it (gloo), and its DDP buckets.
+    and with it (gloo; alternating steps of two copies), and its DDP buckets.
 
     Returns:
         One row per MLP: ``width, depth, buckets, bucket_bytes, wire_bytes, plain_ms,
@@ -99,8 +101,7 @@ def measure_ddp_overhead(mlps: Sequence[tuple[int, int]] = DEFAULT_MLPS, *,
         model = _mlp(width, depth)
         graph = trace_graph(model, torch.randn(_BATCH, width))
         sizes = ddp_buckets(graph).groupby("bucket")["bytes"].sum().to_numpy(float)
-        plain, ddp = (_run(width, depth, ddp, world_size, threads, steps, warmup)
-                      for ddp in (False, True))
+        plain, ddp = _run(width, depth, world_size, threads, steps, warmup)
         rows.append({"width": width, "depth": depth, "buckets": len(sizes),
                      "bucket_bytes": float(sizes.sum()),
                      "wire_bytes": float(sum(ring_wire_bytes(b, world_size) for b in sizes)),
@@ -141,46 +142,50 @@ def fit_ddp_link(frame: pd.DataFrame, copy_us: Callable[[float], float], *, link
                         world_size)
 
 
-def _run(width: int, depth: int, ddp: bool, world_size: int, threads: int, steps: int,
-         warmup: int) -> float:
+def _run(width: int, depth: int, world_size: int, threads: int, steps: int,
+         warmup: int) -> tuple[float, float]:
+    """(plain, DDP) median step ms of one calibration MLP, from one set of processes."""
     with tempfile.TemporaryDirectory() as folder:
         store, out = os.path.join(folder, "store"), os.path.join(folder, "ms")
-        mp.start_processes(_worker, args=(world_size, store, out, width, depth, ddp, threads,
+        mp.start_processes(_worker, args=(world_size, store, out, width, depth, threads,
                                           steps, warmup), nprocs=world_size,
                            start_method="spawn")
         with open(out) as f:
-            return float(f.read())
+            plain_ms, ddp_ms = (float(v) for v in f.read().split())
+            return plain_ms, ddp_ms
 
 
 def _worker(rank: int, world_size: int, store_path: str, out: str, width: int, depth: int,
-            ddp: bool, threads: int, steps: int, warmup: int) -> None:
+            threads: int, steps: int, warmup: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     keep_freed_memory()  # as the ranks (qsync_lab.hostmem)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
-    model = _mlp(width, depth)
-    net = DistributedDataParallel(model) if ddp else model
+    plain, model = _mlp(width, depth), _mlp(width, depth)
+    nets = (plain, DistributedDataParallel(model))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
+                  for m in (plain, model)]
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(_BATCH, width, generator=generator), torch.randn(_BATCH, width,
                                                                        generator=generator)
     loss_fn = nn.MSELoss()
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
-    samples = []
-    for i in range(warmup + steps):
-        dist.barrier()  # every step starts together, as the trainer's per-step gather does
-        begin = time.perf_counter()
-        optimizer.zero_grad()
-        loss_fn(net(x), y).backward()
-        optimizer.step()
-        if i >= warmup:
-            samples.append((time.perf_counter() - begin) * 1e3)
-    mine = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's median sets the step
+    samples: tuple[list[float], list[float]] = ([], [])
+    for i in range(warmup + steps):  # plain and DDP steps alternate: drift hits both alike
+        for net, optimizer, times in zip(nets, optimizers, samples):
+            dist.barrier()  # every step starts together, as the trainer's per-step gather does
+            begin = time.perf_counter()
+            optimizer.zero_grad()
+            loss_fn(net(x), y).backward()
+            optimizer.step()
+            if i >= warmup:
+                times.append((time.perf_counter() - begin) * 1e3)
+    mine = torch.tensor([statistics.median(t) for t in samples], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's medians set the steps
     if rank == 0:
         with open(out, "w") as f:
-            f.write(f"{float(mine):.6f}")
+            f.write(" ".join(f"{float(v):.6f}" for v in mine))
     dist.barrier()  # the result is written
     # gloo's teardown at interpreter exit aborts intermittently beside a DDP reducer
     # ("terminate called without an active exception"): leave without it, as the runtime does
