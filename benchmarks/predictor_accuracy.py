@@ -50,8 +50,8 @@ from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.profile import (METHODS, copy_pass_us, default_cast_sizes, default_copy_sizes,
-                               default_sizes, fit_alpha_beta, fit_casts, fit_ddp_link,
-                               measure_ddp_overhead, fit_step_overhead, intra_op_threads,
+                               default_sizes, fit_alpha_beta, fit_buffer_broadcast, fit_casts,
+                               fit_ddp_link, measure_buffer_broadcast, measure_ddp_overhead, fit_step_overhead, intra_op_threads,
                                link_metadata, profile_allreduce, profile_casts,
                                profile_ops_concurrently, run_metadata, step_overhead_metadata,
                                write_device_profile)
@@ -115,12 +115,14 @@ def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame
                            link=link_name, source=f"profile:{path.name}")
     link = fit_ddp_link(measure_ddp_overhead(threads=THREADS), copy_pass_us(cast_fits),
                         link=link_name, source=f"profile:{path.name} ddp-calibration")
+    broadcast = fit_buffer_broadcast(measure_buffer_broadcast(threads=THREADS), link.link)
     with intra_op_threads(THREADS):
         overhead = fit_step_overhead(repeats=repeats, method=method)
     metadata = {**run_metadata("cpu", threads=THREADS), "profile_method": method,
                 **step_overhead_metadata(overhead),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
-                **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo")}
+                **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
+                **link_metadata(broadcast, r2=float("nan"), world_size=2, backend="gloo")}
     write_device_profile(path, [casts], metadata)
     lines = ["cast fits (time_us = a*numel + b):"]
     lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
@@ -132,6 +134,8 @@ def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame
               f"  R2={fit.line.r2:.4f}"
               for what, fit in (("idle ranks, not used", alone),
                                 ("DDP steps of calibration MLPs, used", link))]
+    lines.append(f"DDP buffer broadcast (BatchNorm MLPs, with/without forward_sync_buffers): "
+                 f"alpha={broadcast.latency_s * 1e6:.1f} us per hop")
     return casts, metadata, lines
 
 

@@ -113,9 +113,11 @@ def _cmd_profile(args) -> None:
     from qsync_lab.models import example_batch, get_model, model_spec
     from qsync_lab.precision import Precision
     from qsync_lab.profile import (copy_pass_us, default_cast_sizes, default_copy_sizes,
-                                   default_sizes, fit_alpha_beta, fit_casts, fit_ddp_link,
+                                   default_sizes, fit_alpha_beta, fit_buffer_broadcast,
+                                   fit_casts, fit_ddp_link,
                                    fit_step_overhead, intra_op_threads, link_metadata,
-                                   measure_ddp_overhead, profile_allreduce,
+                                   measure_buffer_broadcast, measure_ddp_overhead,
+                                   profile_allreduce,
                                    profile_casts, profile_ops, profile_ops_concurrently,
                                    run_metadata, step_overhead_metadata, write_device_profile)
 
@@ -151,6 +153,11 @@ def _cmd_profile(args) -> None:
                 **step_overhead_metadata(overhead),
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in fit_casts(casts).items()}}
+    if args.ddp_link:  # DDP's broadcast of BatchNorm buffers before every forward
+        broadcast = fit_buffer_broadcast(measure_buffer_broadcast(threads=args.threads),
+                                         link.link)
+        metadata.update(link_metadata(broadcast, r2=float("nan"), world_size=2,
+                                      backend="gloo"))
     write_device_profile(args.out, [*frames, casts], metadata)
     print(f"wrote {args.out}: {sum(len(f) for f in frames)} op rows, {len(casts)} cast rows; "
           f"allreduce alpha {link.link.latency_s * 1e6:.1f} us, beta "

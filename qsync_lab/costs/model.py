@@ -35,6 +35,9 @@ import numpy as np
 
 from qsync_lab.costs.calibrate import CastFit, calibrate_efficiency, fit_cast_costs
 from qsync_lab.costs.comm import broadcast_us, ring_allreduce_us, slowest_link
+
+#: suffix of a link's measured DDP buffer broadcast in ``link_fits``
+BROADCAST_SUFFIX = "-ddp-broadcast"
 from qsync_lab.costs.profiles import ProfileTable, read_profile
 from qsync_lab.costs.roofline import Roofline, default_roofline
 from qsync_lab.costs.work import OpWork, phase_work, shape_key
@@ -251,7 +254,9 @@ class CostModel:
 
     def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
         """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the
-        slowest of ``links`` (measured link fits replace catalog links, as for allreduces).
+        slowest of ``links``: a measured DDP buffer broadcast where the profile has one for
+        each link (``<link>-ddp-broadcast``, :func:`qsync_lab.profile.fit_buffer_broadcast`),
+        else measured link fits in place of catalog links, as for allreduces.
 
         Example::
 
@@ -259,6 +264,11 @@ class CostModel:
             >>> CostModel().broadcast_time_us(1.25e6, 2, [link])   # 20 us + 1.25 MB at 12.5 GB/s
             Cost(us=120.0, source='alpha-beta:eth_100g')
         """
+        fitted = [self.link_fits.get(f"{link.name}{BROADCAST_SUFFIX}") for link in links]
+        if links and all(fitted):  # DDP's buffer broadcast measured on these links
+            slowest = slowest_link(fitted)
+            return Cost(broadcast_us(nbytes, ranks, fitted),
+                        f"alpha-beta:{slowest.name} ({slowest.source})")
         links, source = self._links(links)
         return Cost(broadcast_us(nbytes, ranks, links), source)
 

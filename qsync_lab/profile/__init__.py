@@ -23,7 +23,8 @@ from qsync_lab.profile.allreduce import (AlphaBetaFit, default_sizes, fit_alpha_
 from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit_casts,
                                      profile_casts)
 from qsync_lab.profile.concurrent import median_over_processes, profile_ops_concurrently
-from qsync_lab.profile.ddp_link import copy_pass_us, fit_ddp_link, measure_ddp_overhead
+from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
+                                       measure_buffer_broadcast, measure_ddp_overhead)
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import METHODS, autograd_call_overhead_us, profile_ops
 from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
@@ -34,10 +35,11 @@ from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metad
 __all__ = [
     "METHODS", "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "copy_pass_us",
     "default_cast_sizes",
-    "default_copy_sizes", "default_sizes", "fit_alpha_beta", "fit_casts", "fit_ddp_link",
+    "default_copy_sizes", "default_sizes", "fit_alpha_beta", "fit_casts", "fit_buffer_broadcast",
+    "fit_ddp_link",
     "fit_line",
     "fit_step_overhead", "intra_op_threads", "link_metadata", "load_cost_model",
-    "measure_ddp_overhead",
+    "measure_buffer_broadcast", "measure_ddp_overhead",
     "median_over_processes", "median_time_us", "profile_allreduce", "profile_casts",
     "profile_ops", "profile_ops_concurrently", "read_link_fits", "run_metadata",
     "step_overhead_metadata", "write_device_profile",

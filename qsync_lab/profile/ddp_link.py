@@ -22,6 +22,14 @@ cost of the model's DDP buckets::
 so the simulator, costing each bucket's allreduce with the fitted link, adds what DDP
 really adds to a step.
 
+A model with buffers (BatchNorm statistics) also has DDP broadcast them from rank 0 before
+every forward. That blocking gloo broadcast of a few KiB cost 1.3-1.6 ms per step on the
+digits CNN here, several allreduce latencies: :func:`measure_buffer_broadcast` times
+calibration MLPs with BatchNorm under DDP with and without ``forward_sync_buffers`` (the buffer broadcast before every forward) and
+:func:`fit_buffer_broadcast` turns the difference into a link of its own
+(:func:`broadcast_link_name`), which :meth:`qsync_lab.costs.CostModel.broadcast_time_us`
+uses in place of the allreduce link.
+
 Example::
 
     >>> import pandas as pd
@@ -47,6 +55,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from qsync_lab.costs.comm import ring_wire_bytes
+from qsync_lab.costs.model import BROADCAST_SUFFIX
 from qsync_lab.devices import US_PER_SECOND, LinkSpec
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import ddp_buckets, trace_graph
@@ -54,12 +63,21 @@ from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.profile.allreduce import AlphaBetaFit
 from qsync_lab.profile.fit import LineFit
 
-__all__ = ["DEFAULT_MLPS", "copy_pass_us", "fit_ddp_link", "measure_ddp_overhead"]
+__all__ = ["BROADCAST_MLPS", "DEFAULT_MLPS", "broadcast_link_name", "copy_pass_us",
+           "fit_buffer_broadcast", "fit_ddp_link", "measure_buffer_broadcast",
+           "measure_ddp_overhead"]
 
 #: (width, depth) of the calibration MLPs: Linear+ReLU blocks, batch 16
 DEFAULT_MLPS = ((64, 2), (64, 8), (64, 16), (512, 2), (512, 8), (512, 16))
+#: (width, depth) of the buffer-broadcast calibration MLPs (Linear+BatchNorm1d+ReLU blocks)
+BROADCAST_MLPS = ((64, 2), (64, 8), (512, 4))
 _BATCH = 16
 _FP32_BYTES = 4
+
+
+def broadcast_link_name(link: str) -> str:
+    """The name DDP's measured buffer broadcast over ``link`` goes by in a profile."""
+    return f"{link}{BROADCAST_SUFFIX}"
 
 
 def copy_pass_us(cast_fits: "dict[str, LineFit]") -> Callable[[float], float]:
@@ -78,10 +96,11 @@ def copy_pass_us(cast_fits: "dict[str, LineFit]") -> Callable[[float], float]:
     return lambda nbytes: max(0.0, fit.slope * nbytes / _FP32_BYTES + fit.intercept)
 
 
-def _mlp(width: int, depth: int) -> nn.Module:
+def _mlp(width: int, depth: int, norm: bool = False) -> nn.Module:
     torch.manual_seed(depth)
     return nn.Sequential(*[layer for _ in range(depth)
-                           for layer in (nn.Linear(width, width), nn.ReLU())])
+                           for layer in (nn.Linear(width, width),
+                                         *([nn.BatchNorm1d(width)] if norm else []), nn.ReLU())])
 
 
 def measure_ddp_overhead(mlps: Sequence[tuple[int, int]] = DEFAULT_MLPS, *,
@@ -101,7 +120,7 @@ def measure_ddp_overhead(mlps: Sequence[tuple[int, int]] = DEFAULT_MLPS, *,
         model = _mlp(width, depth)
         graph = trace_graph(model, torch.randn(_BATCH, width))
         sizes = ddp_buckets(graph).groupby("bucket")["bytes"].sum().to_numpy(float)
-        plain, ddp = _run(width, depth, world_size, threads, steps, warmup)
+        plain, ddp = _run(width, depth, world_size, threads, steps, warmup, "ddp")
         rows.append({"width": width, "depth": depth, "buckets": len(sizes),
                      "bucket_bytes": float(sizes.sum()),
                      "wire_bytes": float(sum(ring_wire_bytes(b, world_size) for b in sizes)),
@@ -142,37 +161,89 @@ def fit_ddp_link(frame: pd.DataFrame, copy_us: Callable[[float], float], *, link
                         world_size)
 
 
+def measure_buffer_broadcast(mlps: Sequence[tuple[int, int]] = BROADCAST_MLPS, *,
+                             world_size: int = 2, threads: int = 1, steps: int = 120,
+                             warmup: int = 30) -> pd.DataFrame:
+    """Median DDP step of each BatchNorm MLP without and with ``forward_sync_buffers`` (the buffer broadcast before every forward)
+    (alternating steps of two copies in the same processes).
+
+    Returns:
+        One row per MLP: ``width, depth, buffer_bytes, without_ms, with_ms``.
+    """
+    if world_size < 2 or threads < 1 or steps < 1 or warmup < 0:
+        raise QSyncError("world_size must be >= 2, threads and steps >= 1, warmup >= 0")
+    rows = []
+    for width, depth in mlps:
+        buffers = sum(b.numel() * b.element_size() for b in _mlp(width, depth, True).buffers())
+        without, with_ = _run(width, depth, world_size, threads, steps, warmup, "broadcast")
+        rows.append({"width": width, "depth": depth, "buffer_bytes": float(buffers),
+                     "without_ms": without, "with_ms": with_})
+    return pd.DataFrame(rows)
+
+
+def fit_buffer_broadcast(frame: pd.DataFrame, link: LinkSpec, *,
+                         world_size: int = 2) -> LinkSpec:
+    """DDP's buffer broadcast as a link: ``link``'s bandwidth, and the latency per hop that
+    makes ``(n−1)·α + bytes/β`` the median of what broadcasting added to the steps.
+
+    Example::
+
+        >>> frame = pd.DataFrame({"buffer_bytes": [0.0, 0.0, 0.0], "without_ms": [2.0] * 3,
+        ...                       "with_ms": [3.1, 3.2, 3.6]})
+        >>> fit = fit_buffer_broadcast(frame, LinkSpec("loopback", 1e9, 1e-4, "x"))
+        >>> fit.name, round(fit.latency_s * 1e6)
+        ('loopback-ddp-broadcast', 1200)
+    """
+    if not len(frame):
+        raise QSyncError("a buffer-broadcast fit needs at least 1 calibration model")
+    added_us = (frame["with_ms"] - frame["without_ms"]).to_numpy(float) * 1e3
+    wire_us = frame["buffer_bytes"].to_numpy(float) / link.bandwidth_Bps * US_PER_SECOND
+    latency_us = float(np.median(added_us - wire_us)) / (world_size - 1)
+    if latency_us <= 0:
+        raise QSyncError(f"broadcasting DDP's buffers added no time ({latency_us:.3g} us per "
+                         "hop); measure again on a quieter machine")
+    return LinkSpec(broadcast_link_name(link.name), link.bandwidth_Bps,
+                    latency_us / US_PER_SECOND,
+                    f"fit:ddp buffer broadcast, median of {len(frame)} MLPs")
+
+
 def _run(width: int, depth: int, world_size: int, threads: int, steps: int,
-         warmup: int) -> tuple[float, float]:
-    """(plain, DDP) median step ms of one calibration MLP, from one set of processes."""
+         warmup: int, mode: str) -> tuple[float, float]:
+    """Median step ms of one calibration MLP, from one set of processes: (plain, DDP) for
+    ``mode="ddp"``, (DDP, DDP broadcasting BatchNorm buffers) for ``"broadcast"``."""
     with tempfile.TemporaryDirectory() as folder:
         store, out = os.path.join(folder, "store"), os.path.join(folder, "ms")
         mp.start_processes(_worker, args=(world_size, store, out, width, depth, threads,
-                                          steps, warmup), nprocs=world_size,
+                                          steps, warmup, mode), nprocs=world_size,
                            start_method="spawn")
         with open(out) as f:
-            plain_ms, ddp_ms = (float(v) for v in f.read().split())
-            return plain_ms, ddp_ms
+            first_ms, second_ms = (float(v) for v in f.read().split())
+            return first_ms, second_ms
 
 
 def _worker(rank: int, world_size: int, store_path: str, out: str, width: int, depth: int,
-            threads: int, steps: int, warmup: int) -> None:
+            threads: int, steps: int, warmup: int, mode: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     keep_freed_memory()  # as the ranks (qsync_lab.hostmem)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
-    plain, model = _mlp(width, depth), _mlp(width, depth)
-    nets = (plain, DistributedDataParallel(model))
+    if mode == "ddp":
+        first, second = _mlp(width, depth), _mlp(width, depth)
+        nets = (first, DistributedDataParallel(second))
+    else:
+        first, second = _mlp(width, depth, norm=True), _mlp(width, depth, norm=True)
+        nets = (DistributedDataParallel(first, forward_sync_buffers=False),
+                DistributedDataParallel(second))
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
-                  for m in (plain, model)]
+                  for m in (first, second)]
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(_BATCH, width, generator=generator), torch.randn(_BATCH, width,
                                                                        generator=generator)
     loss_fn = nn.MSELoss()
     samples: tuple[list[float], list[float]] = ([], [])
-    for i in range(warmup + steps):  # plain and DDP steps alternate: drift hits both alike
+    for i in range(warmup + steps):  # the two kinds of step alternate: drift hits both alike
         for net, optimizer, times in zip(nets, optimizers, samples):
             dist.barrier()  # every step starts together, as the trainer's per-step gather does
             begin = time.perf_counter()

@@ -4,8 +4,12 @@
 import pandas as pd
 import pytest
 
+from qsync_lab.costs import CostModel
+from qsync_lab.devices import LinkSpec
 from qsync_lab.errors import QSyncError
-from qsync_lab.profile import LineFit, copy_pass_us, fit_ddp_link, measure_ddp_overhead
+from qsync_lab.profile import (LineFit, copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
+                               link_metadata, load_cost_model, measure_buffer_broadcast,
+                               measure_ddp_overhead, write_device_profile)
 
 
 def _frame(alpha_us, us_per_byte, copy):
@@ -46,3 +50,35 @@ def test_measurement_runs_real_ddp_steps():
     assert (frame["plain_ms"] > 0).all() and (frame["ddp_ms"] > 0).all()
     with pytest.raises(QSyncError, match="world_size"):
         measure_ddp_overhead([(16, 1)], world_size=1)
+
+
+def test_buffer_broadcast_fit_is_the_median_added_latency_per_hop():
+    frame = pd.DataFrame({"buffer_bytes": [1e6, 1e6, 1e6], "without_ms": [2.0, 2.0, 2.0],
+                          "with_ms": [3.5, 3.6, 9.0]})  # one disturbed step median
+    link = LinkSpec("loopback", 1e9, 100e-6, "fit:x")   # 1 MB takes 1000 us of the added
+    fit = fit_buffer_broadcast(frame, link, world_size=3)
+    assert fit.name == "loopback-ddp-broadcast" and fit.bandwidth_Bps == 1e9
+    assert fit.latency_s * 1e6 == pytest.approx((1600 - 1000) / 2)  # the median, per hop
+    with pytest.raises(QSyncError, match="added no time"):
+        fit_buffer_broadcast(frame.assign(with_ms=2.0), link)
+
+
+def test_the_cost_model_broadcasts_over_the_measured_buffer_broadcast(tmp_path):
+    link = LinkSpec("loopback", 1e9, 100e-6, "catalog")
+    broadcast = LinkSpec("loopback-ddp-broadcast", 1e9, 700e-6, "fit:bb")
+    path = tmp_path / "p.csv"
+    write_device_profile(path, [], {**link_metadata(link, r2=1.0, world_size=2, backend="gloo"),
+                                    **link_metadata(broadcast, r2=float("nan"), world_size=2,
+                                                    backend="gloo")})
+    costs = load_cost_model(path)
+    cost = costs.broadcast_time_us(1e6, 2, [link])
+    assert cost.us == pytest.approx(700 + 1000) and "loopback-ddp-broadcast" in cost.source
+    assert costs.allreduce_time_us(1e6, 2, [link]).source.startswith("alpha-beta:loopback (")
+    plain = CostModel(link_fits={"loopback": link}).broadcast_time_us(1e6, 2, [link])
+    assert plain.us == pytest.approx(100 + 1000)  # no broadcast fit: the link's own α
+
+
+def test_buffer_broadcast_measurement_runs_real_ddp_steps():
+    frame = measure_buffer_broadcast([(16, 1)], steps=3, warmup=1)
+    assert frame["buffer_bytes"].tolist() == [2 * 16 * 4 + 8]  # running mean, var, count
+    assert (frame["without_ms"] > 0).all() and (frame["with_ms"] > 0).all()
