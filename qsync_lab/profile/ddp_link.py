@@ -25,10 +25,10 @@ really adds to a step.
 A model with buffers (BatchNorm statistics) also has DDP broadcast them from rank 0 before
 every forward. That blocking gloo broadcast of a few KiB cost 1.3-1.6 ms per step on the
 digits CNN here, several allreduce latencies: :func:`measure_buffer_broadcast` times
-calibration MLPs with BatchNorm under DDP with and without ``forward_sync_buffers`` (the buffer broadcast before every forward) and
-:func:`fit_buffer_broadcast` turns the difference into a link of its own
-(:func:`broadcast_link_name`), which :meth:`qsync_lab.costs.CostModel.broadcast_time_us`
-uses in place of the allreduce link.
+calibration MLPs with BatchNorm under DDP with and without that broadcast
+(``forward_sync_buffers``) and :func:`fit_buffer_broadcast` turns the difference into a
+link of its own (:func:`broadcast_link_name`), which
+:meth:`qsync_lab.costs.CostModel.broadcast_time_us` uses in place of the allreduce link.
 
 Example::
 
@@ -164,8 +164,9 @@ def fit_ddp_link(frame: pd.DataFrame, copy_us: Callable[[float], float], *, link
 def measure_buffer_broadcast(mlps: Sequence[tuple[int, int]] = BROADCAST_MLPS, *,
                              world_size: int = 2, threads: int = 1, steps: int = 120,
                              warmup: int = 30) -> pd.DataFrame:
-    """Median DDP step of each BatchNorm MLP without and with ``forward_sync_buffers`` (the buffer broadcast before every forward)
-    (alternating steps of two copies in the same processes).
+    """Median DDP step of each BatchNorm MLP without and with the buffer broadcast before
+    every forward (``forward_sync_buffers``), alternating steps of two copies in the same
+    processes.
 
     Returns:
         One row per MLP: ``width, depth, buffer_bytes, without_ms, with_ms``.
