@@ -35,15 +35,15 @@ import numpy as np
 
 from qsync_lab.costs.calibrate import CastFit, calibrate_efficiency, fit_cast_costs
 from qsync_lab.costs.comm import broadcast_us, ring_allreduce_us, slowest_link
-
-#: suffix of a link's measured DDP buffer broadcast in ``link_fits``
-BROADCAST_SUFFIX = "-ddp-broadcast"
 from qsync_lab.costs.profiles import ProfileTable, read_profile
 from qsync_lab.costs.roofline import Roofline, default_roofline
 from qsync_lab.costs.work import OpWork, phase_work, shape_key
 from qsync_lab.devices import DeviceCatalog, DeviceSpec, LinkSpec, load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
+
+#: suffix of a link's measured DDP buffer broadcast in ``link_fits``
+BROADCAST_SUFFIX = "-ddp-broadcast"
 
 __all__ = ["OPTIMIZER_STATES", "Cost", "CostModel", "optimizer_state_count"]
 

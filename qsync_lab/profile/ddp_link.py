@@ -113,8 +113,7 @@ def measure_ddp_overhead(mlps: Sequence[tuple[int, int]] = DEFAULT_MLPS, *,
         One row per MLP: ``width, depth, buckets, bucket_bytes, wire_bytes, plain_ms,
         ddp_ms``.
     """
-    if world_size < 2 or threads < 1 or steps < 1 or warmup < 0:
-        raise QSyncError("world_size must be >= 2, threads and steps >= 1, warmup >= 0")
+    _check_run_args(world_size, threads, steps, warmup)
     rows = []
     for width, depth in mlps:
         model = _mlp(width, depth)
@@ -171,8 +170,7 @@ def measure_buffer_broadcast(mlps: Sequence[tuple[int, int]] = BROADCAST_MLPS, *
     Returns:
         One row per MLP: ``width, depth, buffer_bytes, without_ms, with_ms``.
     """
-    if world_size < 2 or threads < 1 or steps < 1 or warmup < 0:
-        raise QSyncError("world_size must be >= 2, threads and steps >= 1, warmup >= 0")
+    _check_run_args(world_size, threads, steps, warmup)
     rows = []
     for width, depth in mlps:
         buffers = sum(b.numel() * b.element_size() for b in _mlp(width, depth, True).buffers())
@@ -208,6 +206,11 @@ def fit_buffer_broadcast(frame: pd.DataFrame, link: LinkSpec, *,
                     f"fit:ddp buffer broadcast, median of {len(frame)} MLPs")
 
 
+def _check_run_args(world_size: int, threads: int, steps: int, warmup: int) -> None:
+    if world_size < 2 or threads < 1 or steps < 1 or warmup < 0:
+        raise QSyncError("world_size must be >= 2, threads and steps >= 1, warmup >= 0")
+
+
 def _run(width: int, depth: int, world_size: int, threads: int, steps: int,
          warmup: int, mode: str) -> tuple[float, float]:
     """Median step ms of one calibration MLP, from one set of processes: (plain, DDP) for
@@ -218,8 +221,8 @@ def _run(width: int, depth: int, world_size: int, threads: int, steps: int,
                                           steps, warmup, mode), nprocs=world_size,
                            start_method="spawn")
         with open(out) as f:
-            first_ms, second_ms = (float(v) for v in f.read().split())
-            return first_ms, second_ms
+            first_ms, second_ms = map(float, f.read().split())
+        return first_ms, second_ms
 
 
 def _worker(rank: int, world_size: int, store_path: str, out: str, width: int, depth: int,
