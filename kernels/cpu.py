@@ -367,47 +367,48 @@ def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
     return _quantize(x, scales, inner, nch, vec, qmax, stochastic, key, _nchunks(x.size), out)
 
 
-@njit(error_model="numpy")
-def _dq_run(q, out, s):
-    for t in range(q.size):
-        out[t] = np.float32(q[t]) * _at(s, t)
+@functools.cache
+def _dequantize_for(fmt):
+    """The dequantize kernel for an output format: float32 bits of ``q * s``, rounded to
+    ``fmt`` in the same pass unless it is None."""
+    F = None if fmt is None else tuple(int(v) for v in fmt)
+    rnd = None if F is None else _round_fn(F)
+
+    if F is None:
+        @njit(error_model="numpy")
+        def run(q, out, s):
+            for t in range(q.size):
+                out[t] = np.float32(np.float32(q[t]) * _at(s, t)).view(np.uint32)
+    else:
+        @njit(error_model="numpy")
+        def run(q, out, s):
+            for t in range(q.size):
+                out[t] = rnd(np.float32(np.float32(q[t]) * _at(s, t)).view(np.uint32), F)
+
+    @_jit(parallel=True, error_model="numpy")
+    def kernel(q, scales, inner, nch, svec, nck, out):
+        n = q.size
+        period = svec.size
+        for k in prange(nck):
+            i, end = _bounds(n, nck, k)
+            while i < end:
+                if period:
+                    p, stop = _period_stop(i, end, period)
+                    run(q[i:stop], out[i:stop], svec[p : p + (stop - i)])
+                else:
+                    c, stop = _segment(i, end, inner, nch)
+                    run(q[i:stop], out[i:stop], scales[c])
+                i = stop
+
+    return kernel
 
 
-@_jit(parallel=True, error_model="numpy")
-def _dequantize(q, scales, inner, nch, svec, nck, out):
-    n = q.size
-    period = svec.size
-    for k in prange(nck):
-        i, end = _bounds(n, nck, k)
-        while i < end:
-            if period:
-                p, stop = _period_stop(i, end, period)
-                _dq_run(q[i:stop], out[i:stop], svec[p : p + (stop - i)])
-            else:
-                c, stop = _segment(i, end, inner, nch)
-                _dq_run(q[i:stop], out[i:stop], scales[c])
-            i = stop
-
-
-def dequantize(q, scales, inner, nch, out):
-    """``q * s`` in float32."""
+def dequantize(q, scales, inner, nch, out, fmt=None):
+    """``q * s`` in float32 (bits into uint32 ``out``), rounded to ``fmt`` when given (one
+    pass either way)."""
     vec = _period_vector(scales, inner, nch)
-    _dequantize(q, scales, inner, nch, _NOVEC if vec is None else vec, _nchunks(q.size), out)
-
-
-@_jit(parallel=True, error_model="numpy")
-def dequantize_rounded(q, scales, fmt, out):
-    """``q * s`` (one scale, ``scales[0]``) rounded to ``fmt``: a lookup in a table of the
-    256 codes' values, so it costs what ``dequantize`` does."""
-    s = scales[0]
-    table = np.empty(256, dtype=np.float32)
-    bits = table.view(np.uint32)
-    for c in range(256):
-        table[c] = np.float32(c - 256 if c >= 128 else c) * s
-        bits[c] = ff_round(bits[c], fmt)
-    qu = q.view(np.uint8)
-    for j in prange(q.size):
-        out[j] = table[qu[j]]
+    kernel = _dequantize_for(None if fmt is None else tuple(fmt))
+    kernel(q, scales, inner, nch, _NOVEC if vec is None else vec, _nchunks(q.size), out)
 
 
 _FQ_BLOCK = 512

@@ -450,8 +450,9 @@ def _dequantize(codes, scale, axis, spec, be, out=None):
     out = _out(out, codes.shape, torch.float32, codes.device)
     if codes.numel():
         k, q = _kernels(be), _arr(codes.contiguous())
-        if spec is not None and nch == 1 and be == "cpu":
-            k.dequantize_rounded(q, _arr(scale), spec, _arr(out))
+        if be == "cpu":  # rounded in the same pass
+            bits = _arr(out.view(torch.int32)).view("uint32")
+            k.dequantize(q, _arr(scale), inner, nch, bits, spec)
             return out
         k.dequantize(q, _arr(scale), inner, nch, _arr(out))
         if spec is not None:
@@ -465,7 +466,7 @@ def dequantize_int8(codes, scale, *, axis=None, fmt=None, dtype=torch.float32, b
     to ``dtype``).
 
     ``fmt``: a float format as in ``float_round`` (the values stay float32, bit-exact with
-    ``float_round(codes * scale, fmt)``); on the CPU a per-tensor scale costs no extra pass.
+    ``float_round(codes * scale, fmt)``); on the CPU the rounding costs no extra pass.
     ``out``: optional contiguous tensor of ``dtype`` and the codes' shape and device.
 
     Example::

@@ -235,7 +235,7 @@ def test_exp_dither_code_scalar_matches_reference():
 
 def test_disk_cache_key_includes_the_inlined_modules():
     """A cached kernel inlines floatfmt and rng: editing them must miss the cache."""
-    disp = cpu._dequantize
+    disp = cpu._quantize
     cache = getattr(disp, "_cache", None)
     if type(cache).__name__ != "FunctionCache":
         pytest.skip("no disk cache in this install")

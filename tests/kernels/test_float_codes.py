@@ -77,10 +77,11 @@ def test_float_quantize_reads_half_inputs_and_keeps_the_shape():
     assert torch.equal(_bits(q.codes), _bits(float_encode(x.float() / 4.0, "fp8_e5m2")))
 
 
+@pytest.mark.parametrize("shape", [(40, 70), (6, 300)])  # scales per position / per row
 @pytest.mark.parametrize("axis", [None, 0, 1])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3", (4, 3)])
-def test_dequantize_into_a_float_format(axis, fmt):
-    q = quantize_int8(torch.randn(40, 70, generator=torch.Generator().manual_seed(1)) * 1e3,
+def test_dequantize_into_a_float_format(shape, axis, fmt):
+    q = quantize_int8(torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 1e3,
                       axis=axis)
     want = float_round(dequantize_int8(q.codes, q.scale, axis=axis), fmt)
     for backend in ("cpu", "reference"):
