@@ -10,25 +10,26 @@ warm-up and the ratio to the plain fp32 module. The variants of one op run inter
 (each repeat runs every precision once), so load from other processes hits them alike. On
 the CPU every low precision is the exact fp32 emulation, so the ratio is the emulation
 overhead; on a GPU the native kernels run.
+
+The OpenMP wait policy (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is taken from the environment
+and printed with the table. Leave it at libgomp's default: ``OMP_WAIT_POLICY=PASSIVE`` puts
+torch's and Numba's workers to sleep after every op, and waking them costs 50-150 µs per
+emulation kernel on a 2-core VM (and slows fp32 bmm up to 1.75x).
 """
 
+import argparse
+import copy
 import os
+import statistics
+import time
+from collections.abc import Sequence
 
-# torch's OpenMP workers spin after each op and steal the cores from Numba's pool; let them sleep.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import pandas as pd
+import torch
+from torch import nn
 
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from qsync_lab.models import MatMul  # noqa: E402
-from qsync_lab.runtime import apply_plan_  # noqa: E402
+from qsync_lab.models import MatMul
+from qsync_lab.runtime import apply_plan_
 
 PRECISIONS = {
     "tf32": "tf32",
@@ -110,6 +111,13 @@ def run(device: str, repeats: int, ops: Sequence[str] = OPS) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["op", "shape", "precision", "fwd+bwd ms", "x fp32"])
 
 
+def _wait_policy() -> str:
+    """The OpenMP wait settings in effect, as "NAME=value" (or libgomp's default)."""
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    set_ = [f"{n}={os.environ[n]}" for n in names if os.environ.get(n)]
+    return ", ".join(set_) or "default OpenMP wait policy"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -120,7 +128,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
     where = torch.cuda.get_device_name() if args.device == "cuda" else (
-        f"CPU, {torch.get_num_threads()} torch threads")
+        f"CPU, {torch.get_num_threads()} torch threads, " + _wait_policy())
     table = run(args.device, args.repeats, args.ops)
     text = (f"torch {torch.__version__}, {where}; median of {args.repeats} after {WARMUP} "
             f"warm-up runs\n{table.to_string(index=False, float_format=lambda v: f'{v:.2f}')}\n")

@@ -21,9 +21,11 @@ Conventions:
   more are advised as transparent huge pages (``madvise(MADV_HUGEPAGE)`` on that buffer only,
   Linux; a no-op elsewhere), which makes first touch ~4x cheaper.
 * CPU threads: Numba's default threading layer and thread count (``NUMBA_NUM_THREADS``) are
-  used as is; nothing here changes process-wide settings. torch's OpenMP workers spin for a
-  while after each torch op and can take cores from Numba's threads: set
-  ``OMP_WAIT_POLICY=PASSIVE`` before starting Python when mixing both in a hot loop.
+  used as is; nothing here changes process-wide settings. torch and Numba each run an OpenMP
+  pool (two libgomp copies). Keep libgomp's default wait policy (a bounded spin) when mixing
+  both in a hot loop: ``OMP_WAIT_POLICY=PASSIVE`` makes every parallel region wake sleeping
+  threads, measured on a 2-core VM at 50-150 µs per kernel call (vs 1-20 µs) and 1.6x on a
+  256x256 torch matmul.
 * NaN/Inf: ``absmax`` propagates NaN like ``torch.amax``; the float-format casts handle them
   exactly like torch's casts; every integer quantizer (int8, Global-QSGD, CGX, QSGD) raises
   QSyncError, found by the abs-max (or norm) pass it needs anyway.
