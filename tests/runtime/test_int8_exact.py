@@ -1,7 +1,9 @@
 """The CPU int8 emulation is exactly an int32-accumulating int8 GEMM, and int8 ops save int8.
 
 ``torch._int_mm`` runs on the CPU too (slowly), so it is the ground truth here; K > 1040
-makes the split-K path run (a single fp32 GEMM is not exact there).
+makes the split-K path run (a single fp32 GEMM is not exact there). The kernels' CUDA
+branches (``torch._int_mm``, ``torch._scaled_mm``) are also run here on CPU tensors, so their
+reshapes and scale handling are checked without a GPU.
 """
 
 import pytest
@@ -10,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsync_lab.kernels import quantize_int8
-from qsync_lab.runtime import apply_plan_
+from qsync_lab.precision import Precision
+from qsync_lab.runtime import apply_plan_, gemm
+from qsync_lab.runtime.encoding import encode
 from qsync_lab.runtime.gemm import ConvKernel, LinearKernel, MatMulKernel
 
 
@@ -100,3 +104,32 @@ def test_cuda_int8_forward_equals_cpu_emulation(module, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(8))
     cpu = module(x)
     assert torch.equal(module.cuda()(x.cuda()).cpu(), cpu)
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    """Route CPU tensors through the GEMM kernels' CUDA branches (``torch._int_mm`` and
+    ``torch._scaled_mm`` also run on the CPU), as on an sm90 GPU."""
+    monkeypatch.setattr(gemm, "cuda_capability", lambda t: (9, 0))
+
+
+@pytest.mark.parametrize("kernel, a_shape, b_shape", [
+    (LinearKernel(), (2, 12, 64), (24, 64)),  # 3-d input flattened to rows
+    (MatMulKernel(), (2, 3, 20, 64), (3, 64, 24)),  # batch dims broadcast, one GEMM each
+])
+def test_cuda_int_mm_branch_is_exact(kernel, a_shape, b_shape, cuda_branches):
+    a, b = _codes(*a_shape, seed=9, low=101), _codes(*b_shape, seed=10, low=101)
+    exact = kernel.forward(a.double(), b.double()).float()  # float64 holds every int32 sum
+    got = kernel.int8_product(a, b)
+    assert got.shape == exact.shape and torch.equal(got, exact)
+
+
+def test_cuda_scaled_mm_branch_applies_both_scales(cuda_branches):
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(2, 8, 64, generator=g) * 3, torch.randn(32, 64, generator=g) / 8
+    a, b = encode(x, Precision.FP8_E4M3), encode(w, Precision.FP8_E4M3)
+    assert not torch.isclose(a.scale * b.scale, torch.tensor(1.0))  # a wrong scale would show
+    native = LinearKernel().scaled_mm(a, b)
+    emulated = gemm.fp8_product(F.linear, a, b)
+    assert native.shape == (2, 8, 32)
+    torch.testing.assert_close(native, emulated, rtol=1e-5, atol=1e-5)  # summation order
