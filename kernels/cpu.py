@@ -99,6 +99,7 @@ ff_encode_narrow = _ff.encode_narrow
 ff_round_narrow = _ff.round_narrow
 ff_round_wide = _ff.round_wide
 ff_cast_value = _ff.cast_value
+ff_widen = _ff.widen
 exp_dither_code = _ff.exp_dither_code
 rng_bits = njit(rng.rng_bits)
 
@@ -606,11 +607,22 @@ def float_round(x, p1, p2, fmt, out):
         _float_round(x, p1, p2, tuple(fmt), out)
 
 
-@_jit(parallel=True)
-def float_decode(codes, table, out):
-    """float32 values of format codes (uint8 or uint16): ``table[codes]``."""
-    for j in prange(codes.size):
-        out[j] = table[codes[j]]
+@functools.cache
+def _decode_for(fmt):
+    F = tuple(int(v) for v in fmt)
+
+    @_jit(parallel=True)
+    def kernel(codes, out):
+        for j in prange(codes.size):
+            out[j] = ff_widen(codes[j], F)
+
+    return kernel
+
+
+def float_decode(codes, fmt, out):
+    """float32 bits (uint32 ``out``) of ``fmt`` codes (uint8 or uint16), as torch widens them,
+    NaNs included: arithmetic on the bits (vectorises; a table lookup would not)."""
+    _decode_for(tuple(fmt))(codes, out)
 
 
 @_jit(parallel=True, error_model="numpy")

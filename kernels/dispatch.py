@@ -625,8 +625,9 @@ def _decode_table(dtype, device):
 def float_decode(x, *, backend="auto", out=None):
     """Widen fp16, bf16, fp8 e4m3fn or fp8 e5m2 values to float32, as ``x.float()`` does.
 
-    A lookup in a table of every code's value (torch's cast of all codes, NaNs included); on
-    the CPU about 10x faster than torch's own fp8 cast.
+    The CPU kernel decodes the bits arithmetically (``floatfmt.widen``; fp8 at 786K elements
+    ~25 µs, vs ~1 ms for torch's own fp8 cast); the CUDA kernel and the reference look codes
+    up in a table of torch's cast of every code (NaNs included).
 
     Args:
         x: tensor of one of the four formats.
@@ -645,14 +646,19 @@ def float_decode(x, *, backend="auto", out=None):
             "x must be a float16, bfloat16, float8_e4m3fn or float8_e5m2 torch.Tensor"
         )
     be = _backend(x, backend)
-    table = _decode_table(x.dtype, x.device)
     if be == "reference":
-        codes = _code_array(x.detach().cpu().contiguous())
-        res = _from_numpy(table.cpu().numpy()[codes], x.device).reshape(x.shape)
+        table = _decode_table(x.dtype, torch.device("cpu")).numpy()
+        res = _from_numpy(table[_code_array(x.detach().cpu().contiguous())], x.device)
+        res = res.reshape(x.shape)
         return res if out is None else _into(res, _out(out, x.shape, torch.float32, x.device))
     out = _out(out, x.shape, torch.float32, x.device)
     if x.numel():
-        _kernels(be).float_decode(_code_array(x.detach().contiguous()), _arr(table), _arr(out))
+        codes = _code_array(x.detach().contiguous())
+        if be == "cpu":
+            bits = _arr(out.view(torch.int32)).view("uint32")
+            _kernels(be).float_decode(codes, _TORCH_FORMATS[x.dtype], bits)
+        else:
+            _kernels(be).float_decode(codes, _arr(_decode_table(x.dtype, x.device)), _arr(out))
     return out
 
 

@@ -31,7 +31,8 @@ of the clamped magnitude covers the normal, subnormal and overflow ranges, and n
 float32 is created (those take slow microcode assists on x86, and would make the speed depend
 on the data). The CPU kernels use them for those formats, and ``round_wide`` (RNE on the
 float32 bits, also checked on all 2**32 inputs) for E = 8 formats (bf16, tf32).
-``cast_value`` gives the float32 bits torch widens an encoded value to (NaNs included).
+``cast_value`` gives the float32 bits torch widens an encoded value to (NaNs included), and
+``widen`` those of any code.
 ``exp_dither_code`` is Global-QSGD's exponential-dithering encoder, shared by the CPU and
 CUDA kernels.
 
@@ -158,20 +159,42 @@ def _make_decode(consts):
     return decode
 
 
-def _make_cast_value(consts):
-    def cast_value(b, code, r, fmt):
-        """Return the float32 bits of ``code``, the ``encode`` of float32 bits ``b``, given
-        ``r``, b rounded to ``fmt``: that is ``r``, except for a NaN, whose code torch widens
-        to its sign, the all-ones exponent and its mantissa at the top of float32's (the NaN
-        codes ``encode`` makes have the quiet bit set, or are all ones).
-        """
+def _make_nan_bits(consts):
+    def nan_bits(code, fmt):
+        """Return the float32 bits torch widens a NaN ``code`` to: its sign, the all-ones
+        exponent and its mantissa at the top of float32's."""
         sh, _, _, _, _, _, _, _, _, _, sign_sh, mag_mask, _, norm_min = consts(fmt)
         code = u32(code)
         sign = u32(u32(code & u32(mag_mask + 1)) << u32(sign_sh))
-        nan = u32(sign | u32(0x7F800000) | u32(u32(code & u32(norm_min - 1)) << u32(sh)))
+        return u32(sign | u32(0x7F800000) | u32(u32(code & u32(norm_min - 1)) << u32(sh)))
+
+    return nan_bits
+
+
+def _make_cast_value(nan_bits):
+    def cast_value(b, code, r, fmt):
+        """Return the float32 bits of ``code``, the ``encode`` of float32 bits ``b``, given
+        ``r``, b rounded to ``fmt``: that is ``r``, except for a NaN (``nan_bits``; the NaN
+        codes ``encode`` makes have the quiet bit set, or are all ones).
+        """
+        nan = nan_bits(code, fmt)
         return u32(r) if u32(u32(b) & u32(0x7FFFFFFF)) <= u32(0x7F800000) else nan
 
     return cast_value
+
+
+def _make_widen(consts, dec, nan_bits):
+    def widen(code, fmt):
+        """Return the float32 bits torch widens any ``code`` of ``fmt`` to, NaNs included
+        (branch-free: ``decode``, or ``nan_bits`` past the largest non-NaN magnitude, made
+        quiet as torch's fp16/fp8 casts do; its bf16 cast, a plain shift, keeps the bits)."""
+        _, _, _, _, _, _, _, limit, _, _, _, mag_mask, _, _ = consts(fmt)
+        mag = u32(u32(code) & u32(mag_mask))
+        quiet = u32(0) if fmt[3] == NAN_ALL else u32(0x00400000)
+        nan = u32(nan_bits(code, fmt) | quiet)
+        return nan if mag > u32(limit) else dec(code, fmt)
+
+    return widen
 
 
 def _make_round(enc, dec):
@@ -285,7 +308,9 @@ def _make_narrow(nconsts, magic_sum):
 
 encode = _make_encode(constants)
 decode = _make_decode(constants)
-cast_value = _make_cast_value(constants)
+nan_bits = _make_nan_bits(constants)
+cast_value = _make_cast_value(nan_bits)
+widen = _make_widen(constants, decode, nan_bits)
 round_bits = _make_round(encode, decode)
 narrow_constants = _make_narrow_constants(constants)
 encode_narrow, round_narrow = _make_narrow(narrow_constants, _make_magic_sum(narrow_constants))
@@ -324,7 +349,9 @@ def build(jit):
     dec = jit(_make_decode(consts))
     nconsts = jit(_make_narrow_constants(consts))
     enc_n, round_n = (jit(f) for f in _make_narrow(nconsts, jit(_make_magic_sum(nconsts))))
+    nan = jit(_make_nan_bits(consts))
     return SimpleNamespace(encode=enc, decode=dec, round_bits=jit(_make_round(enc, dec)),
                            encode_narrow=enc_n, round_narrow=round_n, round_wide=jit(round_wide),
-                           cast_value=jit(_make_cast_value(consts)),
+                           cast_value=jit(_make_cast_value(nan)),
+                           widen=jit(_make_widen(consts, dec, nan)),
                            exp_dither_code=jit(exp_dither_code))

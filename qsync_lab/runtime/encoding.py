@@ -12,7 +12,7 @@ fp32 rounding, which the cast rounds back), dequantized value ``v · s``. Forwar
 use e4m3, gradients e5m2 (see ``config.DEFAULT_BACKWARD``). The scaled cast also returns
 the values widened to fp32 (``qsync_lab.kernels.float_quantize``, one pass), which the
 emulated product reads; large saved fp8 tensors are widened by
-``qsync_lab.kernels.float_decode`` (torch's CPU fp8→fp32 cast is ~10x slower).
+``qsync_lab.kernels.float_decode`` (torch's CPU fp8→fp32 cast is ~40x slower).
 
 Example::
 

@@ -77,6 +77,16 @@ def test_float_quantize_reads_half_inputs_and_keeps_the_shape():
     assert torch.equal(_bits(q.codes), _bits(float_encode(x.float() / 4.0, "fp8_e5m2")))
 
 
+@pytest.mark.parametrize("fmt, dtype", [(floatfmt.FP8_E4M3, torch.float8_e4m3fn),
+                                         (floatfmt.FP8_E5M2, torch.float8_e5m2)])
+def test_plain_widen_gives_torchs_bits_for_every_fp8_code(fmt, dtype):
+    """The plain function (the CUDA kernels compile the same source), NaNs made quiet."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = _bits(codes.view(dtype).float()).tolist()
+    got = [int(floatfmt.widen(c, fmt)) for c in range(256)]
+    assert [np.int32(np.uint32(v)) for v in got] == want
+
+
 @pytest.mark.parametrize("shape", [(40, 70), (6, 300)])  # scales per position / per row
 @pytest.mark.parametrize("axis", [None, 0, 1])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3", (4, 3)])
