@@ -51,7 +51,8 @@ from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.profile import (METHODS, copy_pass_us, default_cast_sizes, default_copy_sizes,
                                default_sizes, fit_alpha_beta, fit_buffer_broadcast, fit_casts,
-                               fit_ddp_link, measure_buffer_broadcast, measure_ddp_overhead, fit_step_overhead, intra_op_threads,
+                               fit_ddp_link, fit_step_overhead, intra_op_threads,
+                               measure_buffer_broadcast, measure_ddp_overhead,
                                link_metadata, profile_allreduce, profile_casts,
                                profile_ops_concurrently, run_metadata, step_overhead_metadata,
                                write_device_profile)

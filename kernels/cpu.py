@@ -373,14 +373,14 @@ def _dequantize_for(fmt):
     """The dequantize kernel for an output format: float32 bits of ``q * s``, rounded to
     ``fmt`` in the same pass unless it is None."""
     F = None if fmt is None else tuple(int(v) for v in fmt)
-    rnd = None if F is None else _round_fn(F)
-
     if F is None:
         @njit(error_model="numpy")
         def run(q, out, s):
             for t in range(q.size):
                 out[t] = np.float32(np.float32(q[t]) * _at(s, t)).view(np.uint32)
     else:
+        rnd = _round_fn(F)
+
         @njit(error_model="numpy")
         def run(q, out, s):
             for t in range(q.size):

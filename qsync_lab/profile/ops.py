@@ -5,8 +5,8 @@ training steps of the whole model, one run of steps per precision
 (:mod:`qsync_lab.profile.in_step`): the times the simulator then adds up are those of a
 step, cache misses and the autograd engine's scheduling included. On this project's CPU
 their sums were within 0-6 % of a measured step's forward and of its backward (ResNet-18,
-BERT-mini), where ops timed alone missed 11-20 %. ``isolated`` times one op at a time, as follows, and works where an
-in-step time cannot be read off the host clock (CUDA).
+BERT-mini), where ops timed alone missed 11-20 %. ``isolated`` times one op at a time, as
+follows, and works where an in-step time cannot be read off the host clock (CUDA).
 
 How one op is measured alone (``method="isolated"``):
 
