@@ -1,40 +1,89 @@
-"""Shared fixtures of the runtime tests: one compute thread, SQNR, seeded tensors."""
+"""Fixtures of the training-runtime tests: plans on files, torchrun launches, a 1-rank group."""
 
-import math
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
 
-import numba
 import pytest
 import torch
+import torch.distributed as dist
+
+from qsync_lab.cluster import load_cluster
+from qsync_lab.graph import trace_graph
+from qsync_lab.plan import Plan
+from qsync_lab.runtime.launch import torchrun_command
+from qsync_lab.runtime.tasks import load_task
+
+LAUNCH_TIMEOUT_S = 240
+
+
+def cluster_file(tmp_path: Path, groups: list[str], name: str = "test") -> Path:
+    """A one-node cluster TOML with ``groups`` (inline tables of the ``devices`` list)."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f'name = "{name}"\nbatch_size = 16\n\n[[node]]\nname = "localhost"\n'
+                    f'intra_node_link = "loopback"\ndevices = [{", ".join(groups)}]\n')
+    return path
+
+
+def write_plan(path: Path, cluster, precisions: dict, model: str = "digits_cnn",
+               task: str = "digits", **model_kwargs) -> Path:
+    """Plan ``precisions`` for ``model(**model_kwargs)`` on ``cluster`` (a name or a TOML path)."""
+    data = load_task(task, model, **model_kwargs)
+    torch.manual_seed(0)
+    inputs, target = data.example(4)
+    graph = trace_graph(data.build_model(), inputs, target=target, loss_fn=data.loss_fn())
+    plan = Plan.build(graph, load_cluster(cluster), precisions, strategy="test")
+    plan.for_model(model, model_kwargs).save(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(plan: Path, run_dir: Path, *args: str, nproc: int = 2, max_restarts: int = 0,
+           wait: bool = True, **torchrun):
+    """Start ``torchrun -m qsync_lab.runtime``; wait for it (check exit 0) or return the Popen."""
+    command = torchrun_command(str(plan), nproc, max_restarts=max_restarts, runtime_args=[
+        "--run-dir", str(run_dir), "--threads", "1", *args], **torchrun)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not wait:  # its own session: stop() ends torchrun and every worker it started
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def stop(job: subprocess.Popen) -> None:
+    """Kill a launch started with ``wait=False`` and all its workers, if still running."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+
+
+def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "final.pt", weights_only=False)["model"]
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    """A 1-rank gloo process group in this process (for in-process ``train`` calls)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Run torch and Numba on one thread: the tensors here are small, and on a 2-core
-    machine shared with other test runs, parallel-region barriers of descheduled threads
-    made these tests 10-50x slower than on one thread."""
-    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
-    yield
-    torch.set_num_threads(torch_threads)
-    numba.set_num_threads(numba_threads)
+def _no_device_override(monkeypatch):
+    monkeypatch.delenv("QSYNC_DEVICE_KIND", raising=False)
 
 
-def _sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """10·log10(‖ref‖² / ‖ref − out‖²) in float64; inf when they are equal."""
-    ref, out = ref.detach().double().cpu(), out.detach().double().cpu()
-    noise = float((ref - out).pow(2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float(ref.pow(2).sum()) / noise)
 
-
-@pytest.fixture
-def sqnr():
-    return _sqnr_db
-
-
-@pytest.fixture
-def randn():
-    def make(*shape, seed=0, device="cpu"):
-        return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
-
-    return make
