@@ -57,7 +57,7 @@ from qsync_lab.profile import (METHODS, copy_pass_us, default_cast_sizes, defaul
                                profile_ops_concurrently, run_metadata, step_overhead_metadata,
                                write_device_profile)
 from qsync_lab.runtime.launch import torchrun_command
-from qsync_lab.simulate import PLANNABLE_KINDS
+from qsync_lab.policy import PLANNABLE_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_PROFILES = ROOT / "benchmarks/results/profiles.tmp"  # per-model op rows (git-ignored)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from qsync_lab.models import MatMul
-from qsync_lab.runtime import apply_plan_
+from qsync_lab.quant import apply_plan_
 
 PRECISIONS = {
     "tf32": "tf32",

@@ -170,7 +170,7 @@ class Plan:
                                  "re-plan for this model with `qsync-lab plan`")
         if graph is not None and cluster is not None:
             from qsync_lab.costs import op_work
-            from qsync_lab.simulate import validate_plan
+            from qsync_lab.policy import validate_plan
 
             validate_plan(self.simulator_plan(), op_work(graph), cluster.device_kinds,
                           cluster.catalog)

@@ -81,7 +81,7 @@ def test_console_script_entry_point_runs_the_demo(tmp_path):
 
 
 def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
-    from tests.train.conftest import write_plan
+    from tests.runtime.conftest import write_plan
 
     plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
                       task="synthetic")

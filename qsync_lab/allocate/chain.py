@@ -41,16 +41,11 @@ from qsync_lab.costs import CostModel, OpWork, batch_scales
 from qsync_lab.devices import DeviceSpec
 from qsync_lab.precision import Precision
 from qsync_lab.simulate.memory import saved_bits
-from qsync_lab.simulate.policy import backward_precision, storage_precision
+from qsync_lab.policy import DEFAULT_BACKWARD, output_precision, storage_precision
 
-__all__ = ["ChainCosts", "chain_costs", "output_storage"]
+__all__ = ["ChainCosts", "chain_costs"]
 
 _FP32_BYTES = 4
-
-
-def output_storage(precision: Precision) -> Precision:
-    """The precision an op computed in ``precision`` writes its output in."""
-    return Precision.FP32 if precision is Precision.INT8 else storage_precision(precision)
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,7 +75,7 @@ class ChainCosts:
     def edge_us(self, k: int, previous: Precision | None, precision: Precision) -> float:
         """Cast cost into candidate ``k`` (position in ``ops``) when the previous candidate
         ran in ``previous`` (None: ``k`` is the first and reads fp32 data)."""
-        src = Precision.FP32 if previous is None else output_storage(previous)
+        src = Precision.FP32 if previous is None else output_precision(previous)
         return float(self.cast_us[(src, storage_precision(precision))][k])
 
     def move_us(self, k: int, plan: Sequence[Precision], precision: Precision) -> float:
@@ -109,7 +104,7 @@ def chain_costs(work: OpWork, ops: Sequence[int], device: DeviceSpec, costs: Cos
     out_numel = work.out_numel[index] * scale
     input_numel = work.act_read_bytes[index] * scale / _FP32_BYTES
     for c, p in enumerate(precisions):
-        q = backward_precision(p)
+        q = DEFAULT_BACKWARD[p]
         phase_us = {phase: costs.op_times_us(work, [p if phase == "forward" else q] * len(work),
                                              device, batch_size=batch_size, phase=phase,
                                              plan_precisions=[p] * len(work))[0][index]
@@ -128,7 +123,7 @@ def chain_costs(work: OpWork, ops: Sequence[int], device: DeviceSpec, costs: Cos
         bits = np.array([saved_bits(work.kinds[i], p) for i in index], float)
         low_copy = np.where(bits < 32, weight_numel * bits / 8, 0.0)
         memory[:, c] = work.saved_bytes[index] * scale * bits / 32 + low_copy
-    storages = {output_storage(p) for p in precisions} | {storage_precision(p) for p in precisions}
+    storages = {output_precision(p) for p in precisions} | {storage_precision(p) for p in precisions}
     cast_us = {(src, dst): (_cast(costs, input_numel, src, dst, device)
                             + _cast(costs, input_numel, dst, src, device))
                if src is not dst else np.zeros(len(ops))

@@ -1,9 +1,9 @@
 """Which ops of a device kind the allocator may plan, in which precisions, at what risk.
 
-An op is a candidate when the simulator's policy lets a plan set its precision
-(:data:`~qsync_lab.simulate.PLANNABLE_KINDS`) and the indicator scores it. Its choices are
-the device's precisions that its kind may take and that the indicator scores, plus fp32
-(risk 0), ordered from the riskiest to fp32: the *ladder* the greedy climbs.
+An op is a candidate when the policy lets a plan set it (:mod:`qsync_lab.policy`) and the
+indicator scores it. Its choices are the precisions the policy lets its kind run on the
+device (forward and backward) that the indicator scores, plus fp32 (risk 0), ordered from
+the riskiest to fp32: the *ladder* the greedy climbs.
 
 Example::
 
@@ -28,10 +28,10 @@ import pandas as pd
 from qsync_lab.costs import OpWork
 from qsync_lab.devices import DeviceSpec
 from qsync_lab.errors import QSyncError
+from qsync_lab.policy import check_op_precision
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import PLANNABLE_KINDS
 
-__all__ = ["OpChoices", "kind_allows", "op_choices"]
+__all__ = ["OpChoices", "op_choices", "op_may_run"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,12 +56,15 @@ class OpChoices:
                          for op, omega in zip(self.ops, self.omega)))
 
 
-def kind_allows(kind: str, precision: Precision) -> bool:
-    """Whether the policy lets a plan give an op of ``kind`` this precision."""
-    rule = PLANNABLE_KINDS.get(kind)
-    if rule is None:
+def op_may_run(work: OpWork, index: int, precision: Precision, device: DeviceSpec) -> bool:
+    """Whether the policy lets a plan run op ``index`` in ``precision`` on ``device``."""
+    if work.plan_refusals[index]:
         return False
-    return rule == "any" or (precision.is_float and (rule == "float" or precision.bits >= 16))
+    try:
+        check_op_precision(work.kinds[index], precision, device)
+    except QSyncError:
+        return False
+    return True
 
 
 def op_choices(work: OpWork, indicator: pd.DataFrame, device: DeviceSpec) -> OpChoices:
@@ -87,8 +90,8 @@ def op_choices(work: OpWork, indicator: pd.DataFrame, device: DeviceSpec) -> OpC
         omega = {Precision.FP32: 0.0}
         for p, col in columns.items():
             value = float(indicator.at[fqn, col])
-            if (p is not Precision.FP32 and device.supports(p) and kind_allows(work.kinds[i], p)
-                    and math.isfinite(value)):
+            if (p is not Precision.FP32 and math.isfinite(value)
+                    and op_may_run(work, i, p, device)):
                 omega[p] = max(value, 0.0)
         if len(omega) > 1:
             ops.append(i)

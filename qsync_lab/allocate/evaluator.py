@@ -37,9 +37,10 @@ from types import MappingProxyType
 from qsync_lab.cluster import Cluster
 from qsync_lab.costs import CostModel
 from qsync_lab.precision import Precision
+from qsync_lab.policy import resolve_precisions, validate_plan
 from qsync_lab.simulate import (ComputeTimeline, PreparedGraph, compute_timeline, ddp_work,
-                                memory_breakdown, replay_allreduces, resolve_precisions,
-                                shares_cores, simulate, sync_costs, validate_plan)
+                                memory_breakdown, replay_allreduces, shares_cores, simulate,
+                                sync_costs)
 
 __all__ = ["PlanEvaluator", "Proposal"]
 

@@ -70,6 +70,7 @@ class OpWork:
         names: op FQNs.
         kinds: op kinds.
         targets: the called module class or function, per op.
+        plan_refusals: why a plan cannot set each op ("" when it can).
         producers: indices of the ops each op reads (data edges).
         fwd_flops, bwd_input_flops, bwd_weight_flops: FLOPs at the traced batch.
         act_read_bytes: activation bytes read forward (inputs, not parameters), fp32.
@@ -91,6 +92,7 @@ class OpWork:
     names: tuple[str, ...]
     kinds: tuple[str, ...]
     targets: tuple[str, ...]
+    plan_refusals: tuple[str, ...]
     producers: tuple[tuple[int, ...], ...]
     fwd_flops: np.ndarray
     bwd_input_flops: np.ndarray
@@ -168,6 +170,7 @@ def op_work(graph, *, traced_batch_size: int | None = None) -> OpWork:
         names=names,
         kinds=kinds,
         targets=tuple(str(t) for t in ops["target"]),
+        plan_refusals=tuple(str(r) for r in ops["plan_refusal"]),
         producers=producers,
         fwd_flops=ops["fwd_flops"].to_numpy(float),
         bwd_input_flops=ops["bwd_input_flops"].to_numpy(float),

@@ -9,8 +9,9 @@ Example::
 """
 
 from qsync_lab.graph.buckets import bucket_assignment, ddp_buckets
+from qsync_lab.graph.calls import ScopedCalls
 from qsync_lab.graph.fx_tracer import symbolic_trace
 from qsync_lab.graph.opgraph import OpGraph, TracingFallbackWarning, trace_graph
 
-__all__ = ["OpGraph", "TracingFallbackWarning", "bucket_assignment", "ddp_buckets",
+__all__ = ["OpGraph", "ScopedCalls", "TracingFallbackWarning", "bucket_assignment", "ddp_buckets",
            "symbolic_trace", "trace_graph"]

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from qsync_lab.graph.kinds import function_kind, is_leaf_module, module_kind
+from qsync_lab.graph.kinds import function_record, is_leaf_module, module_record
 from qsync_lab.graph.records import OpNamer, OpRecord, TensorMeta
 
 
@@ -80,13 +80,12 @@ def _record(node: fx.Node, gm: fx.GraphModule, namer: OpNamer,
             params: dict[str, nn.Parameter], producer: dict[fx.Node, str]) -> OpRecord:
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        rec = OpRecord(namer.module(node.target), module_kind(module) or "other",
-                       f"{type(module).__module__}.{type(module).__name__}")
+        rec = module_record(namer.module(node.target), module)
         rec.params = [(f"{node.target}.{n}", TensorMeta.of(p))
                       for n, p in module.named_parameters()]
     else:
         fn_name = node.target if node.op == "call_method" else node.target.__name__
-        rec = OpRecord(namer.function(_scope(node), fn_name), function_kind(fn_name), fn_name)
+        rec = function_record(namer.function(_scope(node), fn_name), fn_name)
     for arg in _flat_args(node):
         if not isinstance(arg, fx.Node):
             continue

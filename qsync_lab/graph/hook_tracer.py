@@ -16,47 +16,32 @@ Example::
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from qsync_lab.graph.kinds import function_kind, is_leaf_module, module_kind
-from qsync_lab.graph.records import OpNamer, OpRecord, TensorMeta
+from qsync_lab.graph.calls import ScopedCalls
+from qsync_lab.graph.kinds import function_record, is_leaf_module, module_record
+from qsync_lab.graph.records import OpRecord, TensorMeta
 
 
-class _Recorder(TorchFunctionMode):
+class _Recorder(ScopedCalls):
     """Collects records while the model runs; one instance per trace."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
+        super().__init__(model)
         self.records: list[OpRecord] = []
-        self.namer = OpNamer()
-        self.scope: list[str] = []
-        self.leaf_depth = 0  # > 0 while inside an op module: its internals are not ops
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.producer: dict[int, str] = {}
         self.keep_alive: list[torch.Tensor] = []  # ids stay unique while we map them
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.leaf_depth == 0:
-            fn_name = getattr(func, "__name__", str(func))
-            name = self.namer.function(self.scope[-1] if self.scope else "", fn_name)
-            self._add(OpRecord(name, function_kind(fn_name), fn_name), (args, kwargs), out)
+    def on_call(self, name, fn_name, func, args, kwargs):
+        out = func(*args, **kwargs)
+        self._add(function_record(name, fn_name), (args, kwargs), out)
         return out
 
-    def enter_module(self, fqn: str, module: nn.Module) -> None:
-        self.scope.append(fqn)
-        if is_leaf_module(module):
-            self.leaf_depth += 1
-
     def exit_module(self, fqn: str, module: nn.Module, inputs, output) -> None:
-        self.scope.pop()
-        if not is_leaf_module(module):
-            return
-        self.leaf_depth -= 1
-        if self.leaf_depth == 0:
-            rec = OpRecord(self.namer.module(fqn), module_kind(module) or "other",
-                           f"{type(module).__module__}.{type(module).__name__}")
+        super().exit_module(fqn, module, inputs, output)
+        if is_leaf_module(module) and self.leaf_depth == 0:
+            rec = module_record(self.namer.module(fqn), module)
             self._add(rec, inputs, output, skip_params=True)
             rec.params = [(f"{fqn}.{n}" if fqn else n, TensorMeta.of(p))
                           for n, p in module.named_parameters()]
@@ -84,18 +69,9 @@ class _Recorder(TorchFunctionMode):
 def trace_hooks(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[OpRecord]:
     """Run ``model`` once on ``example_inputs`` and return one record per operator call."""
     recorder = _Recorder(model)
-    handles = []
-    for fqn, module in model.named_modules():
-        if module is model:
-            continue
-        handles.append(module.register_forward_pre_hook(
-            lambda m, args, fqn=fqn: recorder.enter_module(fqn, m)))
-        handles.append(module.register_forward_hook(
-            lambda m, args, out, fqn=fqn: recorder.exit_module(fqn, m, args, out)))
     try:
         with recorder:
             model(*example_inputs)
     finally:
-        for handle in handles:
-            handle.remove()
+        recorder.detach()
     return recorder.records

@@ -12,7 +12,8 @@ Example::
 
 import torch.nn as nn
 
-from qsync_lab.graph.records import op_name_of
+from qsync_lab.graph.records import OpRecord, op_name_of
+from qsync_lab.policy import function_refusal, module_refusal
 
 #: kinds whose output aliases an input (no data movement, no FLOPs)
 VIEW_KINDS = frozenset({"view"})
@@ -126,3 +127,17 @@ def is_leaf_module(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.nn") and not isinstance(
         module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     )
+
+
+def module_record(name: str, module: nn.Module) -> OpRecord:
+    """The record of a module call: its kind, class and whether a plan can set it."""
+    kind = module_kind(module)
+    return OpRecord(name, kind or "other", f"{type(module).__module__}.{type(module).__name__}",
+                    plan_refusal=module_refusal(module, kind) or "")
+
+
+def function_record(name: str, fn_name: str) -> OpRecord:
+    """The record of a function or tensor-method call."""
+    kind = function_kind(fn_name)
+    return OpRecord(name, kind, fn_name,
+                    plan_refusal=function_refusal(op_name_of(fn_name), kind) or "")

@@ -46,7 +46,8 @@ class OpGraph:
         ops: DataFrame indexed by op FQN (``name``), in execution order, with columns
             ``kind, target, input_shapes, input_dtypes, output_shapes, output_dtypes,
             weight_shapes, weight_dtypes, params, inputs, fwd_flops, bwd_input_flops, bwd_weight_flops,
-            bytes_read, bytes_written, saved_bytes, depth``.
+            bytes_read, bytes_written, saved_bytes, depth, plan_refusal`` (why a plan cannot
+            set the op, "" when it can; :mod:`qsync_lab.policy`).
         edges: DataFrame ``(src, dst)`` of data edges between ops.
         params: DataFrame indexed by parameter FQN: ``shape, dtype, numel, bytes,
             requires_grad, first_op`` (the first op that reads it), in
@@ -232,6 +233,7 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
             "bytes_written": c.bytes_written,
             "saved_bytes": c.saved_bytes,
             "depth": depth[rec.name],
+            "plan_refusal": rec.plan_refusal,
         })
     ops = pd.DataFrame(rows).set_index("name")
     edges = pd.DataFrame([(src, dst) for dst, row in ops.iterrows() for src in row["inputs"]],

@@ -72,6 +72,8 @@ class OpRecord:
         input_ops: for each input, the name of the op that produced it (None = graph input).
         outputs: tensors returned.
         params: ``(parameter FQN, meta)`` for each parameter the op reads.
+        plan_refusal: why a plan cannot set this call's precision ("" when it can;
+            :mod:`qsync_lab.policy.kinds`).
     """
 
     name: str
@@ -81,6 +83,7 @@ class OpRecord:
     input_ops: list[str | None] = field(default_factory=list)
     outputs: list[TensorMeta] = field(default_factory=list)
     params: list[tuple[str, TensorMeta]] = field(default_factory=list)
+    plan_refusal: str = ""
 
 
 class OpNamer:

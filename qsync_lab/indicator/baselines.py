@@ -29,7 +29,7 @@ from qsync_lab.precision import Precision
 def rounded(t: torch.Tensor, precision: "Precision | str", rounding: str = "nearest",
             seed: int = 0) -> torch.Tensor:
     """``t`` rounded to ``precision`` and back to float32, exactly as the operators encode
-    their operands (:mod:`qsync_lab.runtime.encoding`).
+    their operands (:mod:`qsync_lab.quant.encoding`).
 
     Example::
 
@@ -37,7 +37,7 @@ def rounded(t: torch.Tensor, precision: "Precision | str", rounding: str = "near
         >>> rounded(torch.tensor([0.1, -1.0]), "bf16").tolist()
         [0.10009765625, -1.0]
     """
-    from qsync_lab.runtime.encoding import decode, encode
+    from qsync_lab.quant.encoding import decode, encode
 
     return decode(encode(t.detach().float(), Precision.parse(precision), rounding=rounding,
                          seed=seed))

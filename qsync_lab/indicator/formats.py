@@ -36,7 +36,6 @@ import torch
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
-from qsync_lab.runtime.config import DEFAULT_BACKWARD
 
 ROUNDING_VARIANCE = {"nearest": 1 / 12, "stochastic": 1 / 6}
 
@@ -62,10 +61,6 @@ FLOAT_FORMATS = {
     Precision.FP8_E4M3: FloatFormat(4, 3, scaled_max=448.0),
     Precision.FP8_E5M2: FloatFormat(5, 2, scaled_max=57344.0),
 }
-
-#: the precision gradients are rounded to in the backward of an op at each precision
-#: (int8 ops run backward in fp16, fp8 ops round gradients to e5m2), as the operators do
-BACKWARD_PRECISION = DEFAULT_BACKWARD
 
 
 def noise_energy(v: torch.Tensor, precision: "Precision | str",

@@ -54,7 +54,7 @@ def measure_truth(model: nn.Module, batches: Sequence, loss_fn: nn.Module, ops: 
 
     Ops the runtime cannot run at ``precision`` (e.g. an int8 embedding) are left out.
     """
-    from qsync_lab.runtime import apply_plan_
+    from qsync_lab.quant import apply_plan_
 
     reference = [_loss_and_grads(model, batch, loss_fn, seed + i)
                  for i, batch in enumerate(batches)]

@@ -21,7 +21,7 @@ to first order the error energy of the result is
 * normalisation ops (batch, layer, group, RMS norm). A planned norm keeps fp32 math and
   fp32 γ, β but reads and writes fp16/bf16: its input ``x`` and output ``y`` are rounded
   forward, the output gradient ``G`` and the input gradient ``dx`` backward
-  (:class:`~qsync_lab.runtime.modules.PrecisionBoundary`). Per normalised group (a channel
+  (:class:`~qsync_lab.quant.modules.PrecisionBoundary`). Per normalised group (a channel
   over batch and space for BatchNorm, a row for LayerNorm) ``y = γ·(x − μ)/σ + β``; to
   first order an input error ``ε_x`` moves ``y`` by ``(γ/σ)·ε_x`` (the error's own effect
   on ``μ`` and ``σ`` is a projection onto two of the group's many directions, dropped),
@@ -76,8 +76,8 @@ import pandas as pd
 import torch.nn as nn
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.indicator.formats import BACKWARD_PRECISION
 from qsync_lab.indicator.statistics import NORM_KINDS, collect_statistics
+from qsync_lab.policy import DEFAULT_BACKWARD, kind_allows
 from qsync_lab.precision import Precision
 
 TERMS = ("V_f", "V_b", "omega", "fisher")
@@ -150,14 +150,18 @@ def scores_from_statistics(stats: pd.DataFrame, graph, precisions, *,
     terms = terms.loc[order]
     depth = ops.loc[order, "depth"].astype(float)
     total_depth = float(ops["depth"].max())
-    out = pd.DataFrame({("op", "kind"): ops.loc[order, "kind"],
-                        ("op", "depth"): ops.loc[order, "depth"]}, index=order)
+    kinds = ops.loc[order, "kind"]
+    plannable = ops.loc[order, "plan_refusal"] == ""
+    out = pd.DataFrame({("op", "kind"): kinds, ("op", "depth"): ops.loc[order, "depth"]},
+                       index=order)
     for p in wanted:
-        v_f, v_b = terms[(str(p), "V_f")], terms[(str(p), "V_b")]
+        scored = plannable & kinds.map(lambda kind, p=p: kind_allows(kind, p))
+        v_f = terms[(str(p), "V_f")].where(scored)
+        v_b = terms[(str(p), "V_b")].where(scored)
         out[(str(p), "V_f")] = v_f
         out[(str(p), "V_b")] = v_b
         out[(str(p), "omega")] = gamma * (total_depth - depth) * v_f + depth * v_b
-        out[(str(p), "fisher")] = terms[(str(p), "fisher")]
+        out[(str(p), "fisher")] = terms[(str(p), "fisher")].where(scored)
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     out.index.name = "op"
     return out
@@ -170,7 +174,7 @@ def _terms(stats: pd.DataFrame, p: Precision, needs_input_grad: np.ndarray):
     n_a, n_b, n_g = col("numel_a"), col("numel_b"), col("numel_g")
     s_a, s_b, s_g = col("sumsq_a"), col("sumsq_b"), col("sumsq_g")
     e_a, e_b = col(f"noise_a[{p}]"), col(f"noise_b[{p}]")
-    e_g = col(f"noise_g[{BACKWARD_PRECISION[p]}]")
+    e_g = col(f"noise_g[{DEFAULT_BACKWARD[p]}]")
     with np.errstate(divide="ignore", invalid="ignore"):
         v_f = macs / (n_a * n_b) * (e_a * s_b + e_b * s_a)
         grad_b = macs / (n_a * n_g) * (e_a * s_g + e_g * s_a)
@@ -181,7 +185,7 @@ def _terms(stats: pd.DataFrame, p: Precision, needs_input_grad: np.ndarray):
     v_b = np.where(embedding, e_g, v_b)
     norm = stats["kind"].isin(NORM_KINDS).to_numpy()
     if norm.any():
-        q = BACKWARD_PRECISION[p]
+        q = DEFAULT_BACKWARD[p]
         nan = lambda name: (col(name) if name in stats  # noqa: E731
                             else np.full(len(stats), np.nan))
         norm_f = nan(f"noise_as[{p}]") + nan(f"noise_y[{p}]")

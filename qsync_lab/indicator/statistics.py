@@ -36,20 +36,18 @@ from tqdm.auto import tqdm
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph.kinds import module_kind
-from qsync_lab.indicator.formats import BACKWARD_PRECISION, noise_variance, operand_noise
+from qsync_lab.indicator.formats import noise_variance, operand_noise
 from qsync_lab.modelstate import preserved_state
+from qsync_lab.policy import DEFAULT_BACKWARD, kind_allows
 from qsync_lab.precision import Precision
 
+#: kinds scored as bilinear ops (and embeddings): every GEMM-shaped plannable kind
 SCORED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul", "embedding"})
-#: normalisation kinds the indicator scores too (fp16/bf16 I/O, fp32 math at run time)
+#: normalisation kinds (fp16/bf16 I/O, fp32 math at run time); with SCORED_KINDS exactly the
+#: kinds of :data:`qsync_lab.policy.PLANNABLE_KINDS`
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm"})
-#: precisions whose I/O rounding a norm's boundary applies (tf32 and fp32 leave it alone)
+#: precisions whose I/O rounding a norm's boundary applies (fp32 leaves it alone)
 _ROUNDING_FLOATS = frozenset({Precision.FP16, Precision.BF16})
-
-
-def norm_allows(precision: Precision) -> bool:
-    """Whether the policy lets a norm op run in ``precision`` (floats of >= 16 bits)."""
-    return precision.is_float and precision.bits >= 16
 
 
 def collect_statistics(model: nn.Module, batches: Iterable, loss_fn: nn.Module, *,
@@ -82,7 +80,7 @@ def collect_statistics(model: nn.Module, batches: Iterable, loss_fn: nn.Module, 
     if num_batches < 1:
         raise QSyncError(f"num_batches must be at least 1, got {num_batches}")
     wanted = sorted({Precision.parse(p) for p in precisions}, key=list(Precision).index)
-    grad_formats = sorted({BACKWARD_PRECISION[p] for p in wanted}, key=list(Precision).index)
+    grad_formats = sorted({DEFAULT_BACKWARD[p] for p in wanted}, key=list(Precision).index)
     recorder = _Recorder(model, wanted, grad_formats, rounding)
     rows: list[dict] = []
     with preserved_state(model), torch.random.fork_rng(devices=[]):
@@ -196,7 +194,7 @@ class _Recorder:
         if not isinstance(out, torch.Tensor) or not x.is_floating_point():
             return
         params = [p for p in module.parameters(recurse=False)]
-        allowed = [p for p in self.precisions if norm_allows(p)]
+        allowed = [p for p in self.precisions if kind_allows(kind, p)]
         with torch.no_grad():
             geo = _NormGeometry(kind, module, x)
             row = {"op": name, "kind": kind, "macs": 0, "numel_a": x.numel(),
@@ -206,7 +204,7 @@ class _Recorder:
             row.update(self._operand_stats("a", x))
             y_noise = operand_noise(out, allowed)
             for p in self.precisions:
-                if not norm_allows(p):
+                if not kind_allows(kind, p):
                     row[f"noise_as[{p}]"] = row[f"noise_y[{p}]"] = float("nan")
                 elif p in _ROUNDING_FLOATS:
                     row[f"noise_as[{p}]"] = _dot(geo.scale2, noise_variance(geo.x2d, p))
@@ -241,8 +239,8 @@ class _Recorder:
             g_seen = geo.project(g2d) if geo.kind == "batch_norm" else g2d
             dgamma_weight = g_seen.square() / geo.sigma.square()
             for p in self.precisions:
-                q = BACKWARD_PRECISION[p]
-                if not norm_allows(p):
+                q = DEFAULT_BACKWARD[p]
+                if not kind_allows(geo.kind, p):
                     row[f"noise_dxsaved[{p}]"] = row[f"noise_wgrad[{p}]"] = float("nan")
                     continue
                 x_var = noise_variance(geo.x2d, p) if p in _ROUNDING_FLOATS else None

@@ -7,10 +7,12 @@ follows the standard FP8 training recipe (e4m3 forward operands, e5m2 gradients)
 
 Example::
 
-    >>> from qsync_lab.runtime.config import OpPrecision
+    >>> from qsync_lab.policy import OpPrecision
     >>> cfg = OpPrecision.parse("int8")
     >>> str(cfg), cfg.backward_precision
     ('int8/fp16 nearest tensor', <Precision.FP16: 'fp16'>)
+    >>> cfg == OpPrecision.parse({"forward": "int8", "backward": "fp16"})
+    True
     >>> OpPrecision.parse({"forward": "int8", "rounding": "stochastic"}).rounding
     'stochastic'
 """
@@ -37,7 +39,7 @@ DEFAULT_BACKWARD = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class OpPrecision:
     """How one operator computes: forward precision, backward precision and int8 options.
 
@@ -48,6 +50,9 @@ class OpPrecision:
         rounding: "nearest" (half to even) or "stochastic"; stochastic needs int8.
         granularity: "tensor" (one scale per operand) or "channel" (one scale per output
             channel of the weight, per row/column of matmul operands); channel needs int8.
+
+    Two configs are equal when they compute the same way (an unset backward equals the
+    forward's default).
     """
 
     forward: Precision
@@ -116,6 +121,15 @@ class OpPrecision:
     def backward_precision(self) -> Precision:
         """The backward precision, with the forward's default filled in."""
         return DEFAULT_BACKWARD[self.forward] if self.backward is None else self.backward
+
+    def _key(self) -> tuple:
+        return self.forward, self.backward_precision, self.rounding, self.granularity
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OpPrecision) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def is_fp32(self) -> bool:

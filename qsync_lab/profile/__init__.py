@@ -28,7 +28,7 @@ from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import METHODS, autograd_call_overhead_us, profile_ops
 from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
-from qsync_lab.profile.table import (link_metadata, load_cost_model, read_link_fits,
+from qsync_lab.costs.profile_links import (link_metadata, load_cost_model, read_link_fits,
                                      write_device_profile)
 from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metadata
 

@@ -2,7 +2,7 @@
 
 A conversion from ``src`` to ``dst`` is what the runtime does when an operand held in
 ``src`` is read by a ``dst`` kernel: ``reencode(encode(x, src), src, dst)``
-(:mod:`qsync_lab.runtime.encoding`; int8 includes finding the scale). A pair with
+(:mod:`qsync_lab.quant.encoding`; int8 includes finding the scale). A pair with
 ``src == dst`` is an in-place copy into an existing buffer, as DDP copies gradients into
 and out of its buckets. Each pair is timed on fp32 tensors of several sizes;
 :func:`fit_casts` fits the time per pair with R².
@@ -27,7 +27,7 @@ from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.precision import Precision
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.timing import median_time_us
-from qsync_lab.runtime.encoding import encode, reencode
+from qsync_lab.quant.encoding import encode, reencode
 
 __all__ = ["default_cast_sizes", "default_copy_sizes", "fit_casts", "profile_casts"]
 

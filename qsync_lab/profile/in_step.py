@@ -6,8 +6,10 @@ optimizer, and the autograd engine runs its backward nodes among everyone else's
 times ops that way too (uniform-precision runs under the profiler, one step's kernels per
 op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
 
-1. a copy of the model with every op that takes ``precision`` set to it
-   (``apply_plan_``, one op at a time; ops that refuse it keep fp32), plus its loss, traced
+1. a copy of the model with every op that takes ``precision`` set to it, as a plan or
+   the follow rules would (:func:`~qsync_lab.quant.apply_op_precision_`; functional matmuls
+   and linears through :func:`~qsync_lab.quant.low_precision_call`; ops the policy keeps
+   in fp32 stay fp32), plus its loss, traced
    with torch.fx (the same op order as :func:`qsync_lab.graph.trace_graph`);
 2. ``warmup + steps`` training steps (``zero_grad``, forward, ``backward``, an SGD step),
    the forward run node by node: each op's call is timed, and each autograd node the op
@@ -40,8 +42,9 @@ from torch import fx, nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import symbolic_trace
 from qsync_lab.graph.opgraph import _with_loss
+from qsync_lab.policy import OpPrecision
 from qsync_lab.precision import Precision
-from qsync_lab.runtime import apply_plan_
+from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 
 __all__ = ["InStepTimes", "time_ops_in_steps"]
 
@@ -81,7 +84,7 @@ def time_ops_in_steps(model: nn.Module, example_inputs: tuple, target: torch.Ten
     root = _with_loss(model, loss_fn, len(example_inputs))
     gm = symbolic_trace(root)
     taken = _set_precision(gm, precision)
-    runner = _TimedRun(gm)
+    runner = _TimedRun(gm, precision, taken)
     optimizer = torch.optim.SGD(gm.parameters(), lr=_LR, momentum=0.9)
     forward, backward, ops = [], [], None
     for step in range(warmup + steps):
@@ -103,25 +106,31 @@ def time_ops_in_steps(model: nn.Module, example_inputs: tuple, target: torch.Ten
 
 
 def _set_precision(gm: fx.GraphModule, precision: Precision) -> set[str]:
-    """Set every op module of ``gm`` that takes ``precision`` to it; their node names."""
+    """Set every op module of ``gm`` that takes ``precision`` to it; the names of those
+    nodes and of the functional calls that take it (:class:`_TimedRun` runs them in it)."""
     taken = set()
     if precision is Precision.FP32:
         return taken
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            try:
-                apply_plan_(gm, {node.target: precision})
+            if apply_op_precision_(gm.get_submodule(node.target), precision, node.target):
                 taken.add(node.name)
-            except QSyncError:
-                pass
+        elif node.op in _CALLS and function_runs_in(_function_name(node), precision):
+            taken.add(node.name)
     return taken
+
+
+def _function_name(node: fx.Node) -> str:
+    return node.target if node.op == "call_method" else node.target.__name__
 
 
 class _TimedRun(fx.Interpreter):
     """Runs the traced model, timing each op's call and its autograd nodes."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, precision: Precision, taken: set[str]) -> None:
         super().__init__(gm)
+        self.functional = OpPrecision.parse(precision)
+        self.taken = taken
         self.reset()
 
     def reset(self) -> None:
@@ -137,7 +146,10 @@ class _TimedRun(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         begin = time.perf_counter_ns()
-        out = getattr(self, n.op)(n.target, args, kwargs)
+        if n.op != "call_module" and n.name in self.taken:
+            out = low_precision_call(_function_name(n), args, kwargs, self.functional, (0, 1))
+        else:
+            out = getattr(self, n.op)(n.target, args, kwargs)
         elapsed = time.perf_counter_ns() - begin
         tensors = _tensors(out)
         if tensors:

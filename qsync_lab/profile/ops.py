@@ -14,9 +14,11 @@ How one op is measured alone (``method="isolated"``):
    :func:`qsync_lab.graph.trace_graph`) and run once on the example batch, capturing every
    op's real input values.
 2. Per op and precision, a copy of the op runs as the runtime would run it under a plan
-   giving it that precision (``apply_plan_(copy, {"": p})``; an op the runtime cannot set —
-   functions, pooling, a kind that refuses ``p`` — runs in fp32, and that one measurement
-   serves every precision). Timed, with autograd recording as in training:
+   giving it that precision or passing it on (:func:`~qsync_lab.quant.apply_op_precision_`,
+   functional matmuls and linears through :func:`~qsync_lab.quant.low_precision_call`; an
+   op the policy keeps in fp32 — pooling, a kind that refuses ``p`` — runs in fp32, and
+   that one measurement serves every precision). Timed, with autograd recording as in
+   training:
 
    * ``forward``: the op's call;
    * ``backward_input``: ``torch.autograd.grad`` of its output w.r.t. its float inputs
@@ -64,11 +66,11 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import symbolic_trace, trace_graph
 from qsync_lab.graph.opgraph import _with_loss
 from qsync_lab.hostmem import keep_freed_memory
+from qsync_lab.policy import DEFAULT_BACKWARD, OpPrecision
 from qsync_lab.precision import Precision
 from qsync_lab.profile.in_step import InStepTimes, time_ops_in_steps
 from qsync_lab.profile.timing import median_time_us
-from qsync_lab.runtime import apply_plan_
-from qsync_lab.simulate.policy import backward_precision
+from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 
 __all__ = ["METHODS", "autograd_call_overhead_us", "profile_ops"]
 
@@ -149,7 +151,7 @@ def profile_ops(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
             if not phases:
                 continue
             for phase, time_us in times(i, p, phases).items():
-                q = p if phase == "forward" else backward_precision(p)
+                q = p if phase == "forward" else DEFAULT_BACKWARD[p]
                 flops, nbytes = phase_of(q, phase)
                 rows.append({"device": device, "op": work.names[i], "kind": work.kinds[i],
                              "shape_key": shape_key(work, i, batch), "precision": str(q),
@@ -196,7 +198,7 @@ def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, wa
         run = runs[p]
         out = {"forward": float(run.forward_us[i])} if "forward" in phases else {}
         backward = [ph for ph in phases if ph != "forward"]
-        q = backward_precision(p)
+        q = DEFAULT_BACKWARD[p]
         flops = [phase_of(q, ph)[0][i] for ph in backward]
         total = sum(flops)
         for phase, f in zip(backward, flops):
@@ -250,7 +252,7 @@ def _phases_with_work(phase_of: _PhaseWork, i: int, p: Precision) -> list[str]:
     """The phases of op ``i`` the simulator times (those with FLOPs or bytes)."""
     found = []
     for phase in ("forward", *_BACKWARD):
-        flops, nbytes = phase_of(p if phase == "forward" else backward_precision(p), phase)
+        flops, nbytes = phase_of(p if phase == "forward" else DEFAULT_BACKWARD[p], phase)
         if flops[i] > 0 or (phase == "forward" and nbytes[i] > 0):
             found.append(phase)
     return found
@@ -303,17 +305,18 @@ def _runnable(call: _Call, precision: Precision) -> _Runnable:
     if node.op == "call_module":
         module = copy.deepcopy(node.graph.owning_module.get_submodule(node.target))
         effective = "fp32"
-        if precision is not Precision.FP32:
-            try:
-                apply_plan_(module, {"": precision})
-                effective = str(precision)
-            except QSyncError:
-                pass
+        if precision is not Precision.FP32 and apply_op_precision_(module, precision,
+                                                                   node.target):
+            effective = str(precision)
         params = [p for p in module.parameters() if p.requires_grad]
         return _Runnable(module, args, kwargs, params, effective)
     params = [t for t in _tensors((args, kwargs)) if isinstance(t, nn.Parameter)]
+    name = node.target if node.op == "call_method" else node.target.__name__
+    if precision is not Precision.FP32 and function_runs_in(name, precision):
+        cfg = OpPrecision.parse(precision)
+        return _Runnable(lambda *a, **k: low_precision_call(name, a, k, cfg, (0, 1)), args,
+                         kwargs, params, str(precision))
     if node.op == "call_method":
-        name = node.target
         return _Runnable(lambda self, *a, **k: getattr(self, name)(*a, **k), args, kwargs,
                          params, "fp32")
     return _Runnable(node.target, args, kwargs, params, "fp32")

@@ -3,7 +3,7 @@
 Example::
 
     >>> from qsync_lab.models import get_model
-    >>> from qsync_lab.runtime import apply_plan_, describe_precisions
+    >>> from qsync_lab.quant import apply_plan_, describe_precisions
     >>> from qsync_lab.errors import QSyncError
     >>> model = get_model("digits_cnn")
     >>> try:
@@ -23,6 +23,7 @@ Example::
 """
 
 import difflib
+import re
 from collections.abc import Mapping
 
 import pandas as pd
@@ -30,18 +31,19 @@ from torch import nn
 
 from qsync_lab.devices import DeviceSpec, load_catalog
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph.kinds import module_kind
-from qsync_lab.precision import Precision
-from qsync_lab.runtime.config import OpPrecision
-from qsync_lab.runtime.registry import (
-    OpHandler,
-    addressable_kinds,
-    current_precision,
-    handler_for,
-)
+from qsync_lab.graph.kinds import function_kind, is_leaf_module, module_kind
+from qsync_lab.policy import (PLANNABLE_KINDS, OpPrecision, check_op_precision,
+                              function_refusal, module_refusal)
+from qsync_lab.quant.functional import functional_precisions
+from qsync_lab.quant.modules import LowPrecisionOp
+from qsync_lab.quant.registry import current_precision, handler_for
 
-PrecisionSpec = str | Precision | OpPrecision | Mapping[str, str]
+__all__ = ["apply_plan_", "describe_precisions", "restore_rounding_counters",
+           "rounding_counters"]
+
+PrecisionSpec = str | OpPrecision | Mapping[str, str]
 DESCRIBE_COLUMNS = ["kind", "forward", "backward", "rounding", "granularity"]
+_FUNCTIONAL_NAME = re.compile(r"^(?P<op>[A-Za-z]\w*?)(?:_(?P<count>\d+))?$")
 
 
 def _device_spec(device: str | DeviceSpec | None) -> DeviceSpec | None:
@@ -50,111 +52,137 @@ def _device_spec(device: str | DeviceSpec | None) -> DeviceSpec | None:
     return load_catalog().device(device)
 
 
-def _addressable(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """FQN -> (module, kind) of every module a plan can address."""
+def _plannable_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """FQN -> (module, kind) of every module a plan can set."""
     found = {}
     for fqn, module in model.named_modules():
         kind = module_kind(module)
-        if handler_for(kind) is not None:
+        if kind in PLANNABLE_KINDS and module_refusal(module, kind) is None:
             found[fqn] = (module, kind)
     return found
 
 
-def _unknown_fqn(fqn: str, model: nn.Module, addressable: Mapping[str, object]) -> QSyncError:
-    try:
-        module = model.get_submodule(fqn)
-    except AttributeError:
-        close = difflib.get_close_matches(fqn, list(addressable), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return QSyncError(
-            f"unknown op FQN {fqn!r}: the model has no module of that name{hint} "
-            "(describe_precisions(model) lists the ops a plan can set)"
-        )
+def _module_target(model: nn.Module, fqn: str, plannable: Mapping) -> tuple[nn.Module, str]:
+    """The module ``fqn`` names and its kind, or a one-line QSyncError saying why not."""
+    if fqn in plannable:
+        return plannable[fqn]
+    module = model.get_submodule(fqn)
     kind = module_kind(module)
     if kind is None:
-        return QSyncError(
-            f"{fqn!r} is a {type(module).__name__} container, not an operator; name its "
-            "operators instead (describe_precisions(model) lists them)"
-        )
-    return QSyncError(
-        f"op {fqn!r} is a {kind}, which a plan cannot set (its precision follows its "
-        f"inputs); remove it from the plan (settable kinds: {', '.join(addressable_kinds())})"
-    )
+        raise QSyncError(f"{fqn!r} is a {type(module).__name__} container, not an operator; "
+                         "name its operators instead (describe_precisions(model) lists them)")
+    raise QSyncError(f"op {fqn!r}: {module_refusal(module, kind)}")
 
 
-def _resolve(fqn: str, kind: str, module: nn.Module, handler: OpHandler, spec: PrecisionSpec,
-             device: DeviceSpec | None) -> OpPrecision:
-    """The config the op will run in, or a one-line QSyncError naming the op."""
+def _functional_target(model: nn.Module, fqn: str, plannable: Mapping) -> str:
+    """The kind of the functional call ``fqn`` (``scope.matmul_2``) if a plan can set it."""
+    scope, _, name = fqn.rpartition(".")
+    match = _FUNCTIONAL_NAME.match(name)
     try:
-        cfg = handler.normalize(OpPrecision.parse(spec))
-        for precision in (cfg.forward, cfg.backward_precision):
-            if precision not in handler.precisions:
-                allowed = ", ".join(p for p in Precision if p in handler.precisions)
-                raise QSyncError(f"{kind} ops cannot run {precision}; they take {allowed}")
-        reason = None if cfg.is_fp32 else handler.unsupported(module)
-        if reason:
-            raise QSyncError(f"it cannot run {cfg.forward}: {reason}; run it in fp32")
-        if device is not None:
-            device.require(cfg.forward)
-            device.require(cfg.backward_precision)
-    except QSyncError as err:
-        raise QSyncError(f"op {fqn!r}: {err}") from None
-    return cfg
+        if is_leaf_module(model.get_submodule(scope)) and scope:
+            match = None  # calls inside an op module are not ops of the model
+    except AttributeError:
+        match = None
+    if match is None or function_kind(match["op"]) == "other":
+        close = difflib.get_close_matches(fqn, list(plannable), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise QSyncError(f"unknown op FQN {fqn!r}: the model has no module of that name and "
+                         f"it names no functional call{hint} (describe_precisions(model) "
+                         "lists the modules a plan can set, graph.ops.index every op)")
+    kind = function_kind(match["op"])
+    refusal = function_refusal(match["op"], kind)
+    if refusal:
+        raise QSyncError(f"op {fqn!r}: {refusal}")
+    return kind
 
 
 def apply_plan_(model: nn.Module, precisions: Mapping[str, PrecisionSpec | None], *,
                 device: str | DeviceSpec | None = None) -> None:
     """Make each named op of ``model`` run in its precision, in place.
 
-    Every entry is checked before anything changes, so a bad plan leaves the model as it
-    was. Ops not named keep their current precision (pass ``"fp32"`` to restore one); a
-    value of None leaves that op alone. Parameters, buffers and state_dict keys never
-    change, and fp32 ops run the plain torch modules, so an all-fp32 plan is bit-identical
-    to the original model.
+    Every entry is checked against the policy (:mod:`qsync_lab.policy`) before anything
+    changes, so a bad plan leaves the model as it was. Ops not named keep their current
+    precision (pass ``"fp32"`` to restore one); a value of None leaves that op alone.
+    Parameters, buffers and state_dict keys never change, and fp32 ops run the plain torch
+    modules, so an all-fp32 plan is bit-identical to the original model.
 
     Args:
-        model: the model; op FQNs are module names (``model.named_modules()``), the same
-            as ``qsync_lab.graph`` op FQNs for module ops.
-        precisions: op FQN -> precision name, :class:`Precision`, :class:`OpPrecision` or
+        model: the model. Op FQNs are those of :func:`qsync_lab.graph.trace_graph`: module
+            names for module ops, ``scope.fn`` / ``scope.fn_1`` for functional matmuls and
+            linears (:mod:`qsync_lab.quant.functional`).
+        precisions: op FQN -> precision name, :class:`~qsync_lab.policy.OpPrecision` or
             mapping (``{"forward": "int8", "backward": "bf16", "rounding": "stochastic",
             "granularity": "channel"}``).
         device: a catalog device name or :class:`DeviceSpec` whose supported precisions
             every op must respect; None skips that check.
 
     Raises:
-        QSyncError: one line naming the op, for an unknown FQN, an op kind a plan cannot
-            set, a precision the kind cannot take, or one the device cannot run.
+        QSyncError: one line naming the op, for an unknown FQN, an op a plan cannot set, a
+            precision its kind cannot take, or one the device cannot run.
     """
     if not isinstance(precisions, Mapping):
         raise QSyncError(
             f"precisions must be a mapping op FQN -> precision, got {type(precisions).__name__}"
         )
     spec = _device_spec(device)
-    addressable = _addressable(model)
-    resolved = []
+    plannable = _plannable_modules(model)
+    modules, functions = [], []
     for fqn, value in precisions.items():
         if value is None:
             continue
-        if fqn not in addressable:
-            raise _unknown_fqn(fqn, model, addressable)
-        module, kind = addressable[fqn]
-        handler = handler_for(kind)
-        resolved.append((module, handler, _resolve(fqn, kind, module, handler, value, spec), fqn))
-    for module, handler, cfg, fqn in resolved:
-        handler.apply(module, cfg, fqn)
+        try:
+            module, kind = _module_target(model, fqn, plannable)
+        except AttributeError:
+            module, kind = None, _functional_target(model, fqn, plannable)
+        try:
+            cfg = check_op_precision(kind, value, spec)
+        except QSyncError as err:
+            raise QSyncError(f"op {fqn!r}: {err}") from None
+        (functions if module is None else modules).append((fqn, module, kind, cfg))
+    for fqn, module, kind, cfg in modules:
+        handler_for(kind).apply(module, cfg, fqn)
+    if functions:
+        controller = functional_precisions(model, create=True)
+        for fqn, _, _, cfg in functions:
+            controller.set(fqn, cfg)
 
 
 def describe_precisions(model: nn.Module) -> pd.DataFrame:
-    """One row per op a plan can address: kind and the precisions it runs in.
+    """One row per module a plan can set and per planned functional call: kind and config.
 
     Returns:
         DataFrame indexed by op FQN (``fqn``) with columns kind, forward, backward,
         rounding, granularity (strings).
     """
-    rows = {}
-    for fqn, (module, kind) in _addressable(model).items():
-        cfg = current_precision(module).to_dict()
-        rows[fqn] = {"kind": kind, **cfg}
+    rows = {fqn: {"kind": kind, **current_precision(module).to_dict()}
+            for fqn, (module, kind) in _plannable_modules(model).items()}
+    controller = functional_precisions(model)
+    for fqn, cfg in (controller.configs if controller else {}).items():
+        kind = function_kind(_FUNCTIONAL_NAME.match(fqn.rpartition(".")[2])["op"])
+        rows[fqn] = {"kind": kind, **cfg.to_dict()}
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=DESCRIBE_COLUMNS)
     frame.index.name = "fqn"
     return frame
+
+
+def rounding_counters(model: nn.Module) -> dict[str, int]:
+    """Each low-precision op's stochastic-rounding call counter, by op FQN."""
+    counters = {name: module.op_calls for name, module in model.named_modules()
+                if isinstance(module, LowPrecisionOp)}
+    controller = functional_precisions(model)
+    counters.update(controller.calls if controller else {})
+    return counters
+
+
+def restore_rounding_counters(model: nn.Module, counters: Mapping[str, int]) -> None:
+    """Set the counters saved by :func:`rounding_counters` (same plan, same FQNs)."""
+    modules = dict(model.named_modules())
+    controller = functional_precisions(model)
+    for name, calls in counters.items():
+        if isinstance(modules.get(name), LowPrecisionOp):
+            modules[name].op_calls = calls
+        elif controller is not None and name in controller.calls:
+            controller.calls[name] = calls
+        else:
+            raise QSyncError(f"checkpoint has a rounding counter for {name!r}, which is not a "
+                             "low-precision op of this model; resume with the same plan")

@@ -9,7 +9,7 @@ FP8 scaling (the standard FP8 training recipe, as in torchao's Float8Linear): pe
 dynamic scale ``s = amax / max_finite(format)`` (1 for an all-zero tensor), stored values
 ``x / s`` cast to the format (RNE; |x / s| exceeds the largest finite value by at most an
 fp32 rounding, which the cast rounds back), dequantized value ``v · s``. Forward operands
-use e4m3, gradients e5m2 (see ``config.DEFAULT_BACKWARD``). The scaled cast also returns
+use e4m3, gradients e5m2 (:data:`qsync_lab.policy.DEFAULT_BACKWARD`). The scaled cast also returns
 the values widened to fp32 (``qsync_lab.kernels.float_quantize``, one pass), which the
 emulated product reads; large saved fp8 tensors are widened by
 ``qsync_lab.kernels.float_decode`` (torch's CPU fp8→fp32 cast is ~40x slower).
@@ -18,7 +18,7 @@ Example::
 
     >>> import torch
     >>> from qsync_lab.precision import Precision
-    >>> from qsync_lab.runtime.encoding import decode, encode
+    >>> from qsync_lab.quant.encoding import decode, encode
     >>> e = encode(torch.tensor([0.5, -1.27]), Precision.INT8)
     >>> e.data.tolist(), decode(e).tolist()
     ([50, -127], [0.5, -1.2699999809265137])
@@ -38,6 +38,7 @@ from qsync_lab.kernels import (
     float_round,
     quantize_int8,
 )
+from qsync_lab.policy import ROUNDED_OUTPUTS
 from qsync_lab.precision import Precision
 
 TF32_FORMAT = (8, 10)
@@ -49,8 +50,6 @@ TORCH_DTYPES = {
 }
 FP8_MAX = {p: torch.finfo(TORCH_DTYPES[p]).max for p in (Precision.FP8_E4M3, Precision.FP8_E5M2)}
 _FP8_DTYPES = frozenset(TORCH_DTYPES[p] for p in FP8_MAX)
-#: formats an operator's output (or gradient) is rounded to; everything else returns fp32
-ROUNDED_OUTPUTS = frozenset({Precision.FP16, Precision.BF16})
 #: elements from which a CPU kernel pass beats torch's casts (a launch costs ~20-50 µs)
 ONE_PASS_MIN = 1 << 18
 

@@ -19,8 +19,8 @@
 Example::
 
     >>> import torch
-    >>> from qsync_lab.runtime.config import OpPrecision
-    >>> from qsync_lab.runtime.gemm import LinearKernel
+    >>> from qsync_lab.policy import OpPrecision
+    >>> from qsync_lab.quant.gemm import LinearKernel
     >>> x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     >>> y = bilinear(LinearKernel(), x, w, None, OpPrecision.parse("int8"), (0, 1))
     >>> y.sum().backward()
@@ -32,17 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from qsync_lab.kernels import absmax
+from qsync_lab.policy import FP8_PRECISIONS, ROUNDED_OUTPUTS, OpPrecision
 from qsync_lab.precision import Precision
-from qsync_lab.runtime.config import FP8_PRECISIONS, OpPrecision
-from qsync_lab.runtime.encoding import (
-    ROUNDED_OUTPUTS,
+from qsync_lab.quant.encoding import (
     Encoded,
     decode,
     encode,
     round_f32,
     round_to,
 )
-from qsync_lab.runtime.gemm import BilinearKernel, float_product, fp8_product
+from qsync_lab.quant.gemm import BilinearKernel, float_product, fp8_product
 
 
 def _forward_product(kernel: BilinearKernel, a: Encoded, b: Encoded,

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from qsync_lab.precision import Precision
-from qsync_lab.runtime.encoding import TORCH_DTYPES, Encoded, channel_view, round_f32, widened
+from qsync_lab.quant.encoding import TORCH_DTYPES, Encoded, channel_view, round_f32, widened
 
 #: largest K whose int8 dot products are exact in fp32: K·127² < 2**24 holds up to K = 1040
 MAX_EXACT_K = 1024

@@ -1,17 +1,20 @@
-"""Low-precision versions of the GEMM-shaped modules, and the boundary hooks of the others.
+"""Low-precision versions of the GEMM-shaped modules, and the boundary hooks of the norms.
 
-``QLinear``, ``QConv2d``, ``QMatMul`` and ``QEmbedding`` subclass the torch modules and add
-no parameters or buffers: ``apply_plan_`` switches a module's class in place, so the
-module keeps its own ``weight``/``bias`` (same tensors, same state_dict keys) and gains the
-plain attributes ``op_precision`` (an :class:`OpPrecision`), ``op_seed`` and ``op_calls``
-(stochastic-rounding streams: one per FQN, advanced every call). Norms, softmax and
-activations keep their class; :class:`PrecisionBoundary` hooks round their input and output
-(fp16/bf16 I/O, fp32 math, as mixed-precision norm and softmax kernels do).
+``QLinear``, ``QConv1d``/``2d``/``3d``, ``QMatMul`` and ``QEmbedding`` subclass the torch
+modules and add no parameters or buffers: ``apply_plan_`` switches a module's class in place,
+so the module keeps its own ``weight``/``bias`` (same tensors, same state_dict keys) and gains
+the plain attributes ``op_precision`` (an :class:`~qsync_lab.policy.OpPrecision`),
+``op_seed`` and ``op_calls`` (stochastic-rounding streams: one per FQN, advanced every call).
+A subclass of a torch module that keeps the torch forward (``nn.MultiheadAttention``'s
+``NonDynamicallyQuantizableLinear``, a module declaring ``op_kind = "matmul"``) gets a
+low-precision class of its own (:func:`low_precision_class`). Norms keep their class;
+:class:`PrecisionBoundary` hooks round their input and output (fp16/bf16 I/O, fp32 math,
+as mixed-precision norm kernels do).
 
 Example::
 
     >>> import torch
-    >>> from qsync_lab.runtime import apply_plan_
+    >>> from qsync_lab.quant import apply_plan_
     >>> layer = torch.nn.Linear(8, 4)
     >>> apply_plan_(layer, {"": "int8"})
     >>> type(layer).__name__, layer(torch.randn(2, 8)).shape
@@ -23,29 +26,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsync_lab.models.layers import MatMul
-from qsync_lab.runtime.config import OpPrecision
-from qsync_lab.runtime.functions import bilinear, embedding, precision_boundary
-from qsync_lab.runtime.gemm import ConvKernel, LinearKernel, MatMulKernel
+from qsync_lab.policy import OpPrecision
+from qsync_lab.quant.functions import bilinear, embedding, precision_boundary
+from qsync_lab.quant.gemm import ConvKernel, LinearKernel, MatMulKernel
+
+__all__ = ["LowPrecisionOp", "PrecisionBoundary", "QConv1d", "QConv2d", "QConv3d",
+           "QEmbedding", "QLinear", "QMatMul", "low_precision_class", "stream_seeds"]
+
+
+def stream_seeds(op_seed: int, call: int, count: int) -> tuple[int, ...]:
+    """Stochastic-rounding seeds of call ``call`` of the op with seed ``op_seed``."""
+    return tuple(hash((op_seed, call, i)) & (2**63 - 1) for i in range(count))
 
 
 class LowPrecisionOp:
-    """Mixin of the low-precision modules: config attributes and rounding streams."""
+    """Mixin of the low-precision modules: config attributes and rounding streams.
+
+    ``op_float_class`` is the module class a low-precision class was made from (the policy
+    judges a module by it).
+    """
 
     op_precision: OpPrecision
     op_seed: int
     op_calls: int
+    op_float_class: type
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        cls.op_float_class = mro[mro.index(LowPrecisionOp) + 1]
 
     def next_seeds(self, count: int) -> tuple[int, ...]:
         """Stochastic-rounding seeds for this call's ``count`` operands (advances the call)."""
         call = self.op_calls
         self.op_calls = call + 1
-        return tuple(hash((self.op_seed, call, i)) & (2**63 - 1) for i in range(count))
+        return stream_seeds(self.op_seed, call, count)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, precision={self.op_precision}"
 
 
-class QLinear(LowPrecisionOp, nn.Linear):
+class _LinearForward(LowPrecisionOp):
     """``nn.Linear`` computed in ``op_precision`` (per-channel scales: weight rows)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -53,11 +74,9 @@ class QLinear(LowPrecisionOp, nn.Linear):
                         self.next_seeds(2))
 
 
-class QConv2d(LowPrecisionOp, nn.Conv2d):
-    """``nn.Conv2d`` computed in ``op_precision`` (per-channel scales: output channels).
-
-    Non-zero padding modes and string paddings are applied by padding the input first.
-    """
+class _ConvForward(LowPrecisionOp):
+    """``nn.Conv1d``/``2d``/``3d`` computed in ``op_precision`` (per-channel scales: output
+    channels). Non-zero padding modes and string paddings pad the input first."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         padding = self.padding
@@ -70,20 +89,73 @@ class QConv2d(LowPrecisionOp, nn.Conv2d):
                         self.next_seeds(2))
 
 
-class QMatMul(LowPrecisionOp, MatMul):
-    """``torch.matmul(a, b)`` computed in ``op_precision`` (per-channel: rows of a,
-    columns of b)."""
+class _MatMulForward(LowPrecisionOp):
+    """``torch.matmul(a, b)`` computed in ``op_precision`` (per-channel: rows of a, columns
+    of b)."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return bilinear(MatMulKernel(), a, b, None, self.op_precision, self.next_seeds(2))
 
 
-class QEmbedding(LowPrecisionOp, nn.Embedding):
+class _EmbeddingForward(LowPrecisionOp):
     """``nn.Embedding`` reading its table in ``op_precision`` (per-channel: per row)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return embedding(input, self.weight, self.op_precision, padding_idx=self.padding_idx,
                          scale_grad_by_freq=self.scale_grad_by_freq, seed=self.next_seeds(1)[0])
+
+
+class QLinear(_LinearForward, nn.Linear):
+    """``nn.Linear`` in low precision."""
+
+
+class QConv1d(_ConvForward, nn.Conv1d):
+    """``nn.Conv1d`` in low precision."""
+
+
+class QConv2d(_ConvForward, nn.Conv2d):
+    """``nn.Conv2d`` in low precision."""
+
+
+class QConv3d(_ConvForward, nn.Conv3d):
+    """``nn.Conv3d`` in low precision."""
+
+
+class QMatMul(_MatMulForward, MatMul):
+    """The zoo's ``MatMul`` in low precision."""
+
+
+class QEmbedding(_EmbeddingForward, nn.Embedding):
+    """``nn.Embedding`` in low precision."""
+
+
+#: op kind -> the mixin whose forward replaces the module's
+FORWARDS: dict[str, type[LowPrecisionOp]] = {
+    "linear": _LinearForward, "conv1d": _ConvForward, "conv2d": _ConvForward,
+    "conv3d": _ConvForward, "matmul": _MatMulForward, "embedding": _EmbeddingForward,
+}
+_LOW_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: QLinear, nn.Conv1d: QConv1d, nn.Conv2d: QConv2d, nn.Conv3d: QConv3d,
+    MatMul: QMatMul, nn.Embedding: QEmbedding,
+}
+
+
+def low_precision_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
+    """The low-precision class of module class ``cls`` (an op of ``kind``), made once.
+
+    Example::
+
+        >>> from torch import nn
+        >>> class Projection(nn.Linear):
+        ...     pass
+        >>> cls = low_precision_class(Projection, "linear")
+        >>> cls.__name__, issubclass(cls, Projection), cls is low_precision_class(Projection, "linear")
+        ('QProjection', True, True)
+    """
+    if cls not in _LOW_CLASSES:
+        _LOW_CLASSES[cls] = type(f"Q{cls.__name__}", (FORWARDS[kind], cls),
+                                 {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    return _LOW_CLASSES[cls]
 
 
 class PrecisionBoundary:

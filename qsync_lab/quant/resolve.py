@@ -1,31 +1,31 @@
-"""The precisions a rank actually runs: a plan resolved by the simulator's policy.
+"""Apply one device kind's plan as the policy resolves it: planned ops and their followers.
 
-The plan names the ops the allocator chose; the simulator's policy
-(:func:`qsync_lab.simulate.resolve_precisions`) fills in the rest (activations and other
-inheriting ops follow their producers). The runtime applies that resolution op by op to
-every module it can set, so measured runs and predictions describe the same numerics;
-functions such as ``add`` run in fp32 in the runtime.
+The plan names the ops the allocator chose; the policy (:mod:`qsync_lab.policy.resolve`)
+decides what every other op runs in. :func:`apply_resolved_plan_` sets the planned ops
+(:func:`~qsync_lab.quant.apply_plan_`, which refuses nothing the policy accepted) and puts
+:class:`~qsync_lab.quant.modules.PrecisionBoundary` hooks on activation modules that
+inherit a 16-bit precision, so a run computes what the simulator costs. Other followers
+(views, pooling, functional activations) pass 16-bit values through unchanged.
 """
-
-from collections.abc import Mapping
 
 from torch import nn
 
 from qsync_lab.costs import op_work
-from qsync_lab.errors import QSyncError
+from qsync_lab.graph.kinds import function_kind, module_kind
+from qsync_lab.graph.records import op_name_of
+from qsync_lab.policy import (ROUNDED_OUTPUTS, KindPlan, OpPrecision, function_refusal,
+                              kind_allows, module_refusal, resolve_precisions)
 from qsync_lab.precision import Precision
-from qsync_lab.runtime.apply import apply_plan_
-from qsync_lab.simulate.policy import resolve_precisions
+from qsync_lab.quant.apply import apply_plan_
+from qsync_lab.quant.registry import handler_for
 
-__all__ = ["resolved_runtime_plan"]
+__all__ = ["apply_op_precision_", "apply_resolved_plan_", "function_runs_in"]
 
 
-def resolved_runtime_plan(model: nn.Module, graph, kind_plan: Mapping[str, str],
-                          device) -> dict[str, str]:
-    """Apply ``kind_plan`` as the simulator resolves it, in place; return what was applied.
-
-    Every op whose resolved precision is not fp32 is set if the runtime can set it (a
-    module of a plannable or boundary kind); the others keep running in fp32.
+def apply_resolved_plan_(model: nn.Module, graph, kind_plan: KindPlan,
+                         device) -> dict[str, str]:
+    """Apply ``kind_plan`` and its followers to ``model`` in place; return what each op
+    that does not run in fp32 now runs (op FQN -> config text).
 
     Example::
 
@@ -34,19 +34,49 @@ def resolved_runtime_plan(model: nn.Module, graph, kind_plan: Mapping[str, str],
         >>> from qsync_lab.graph import trace_graph
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> graph = trace_graph(model, torch.randn(3, 4))
-        >>> resolved_runtime_plan(model, graph, {"0": "bf16"}, load_catalog().device("cpu"))
-        {'0': 'bf16', '1': 'bf16'}
+        >>> apply_resolved_plan_(model, graph, {"0": "bf16"}, load_catalog().device("cpu"))
+        {'0': 'bf16/bf16 nearest tensor', '1': 'bf16/bf16 nearest tensor'}
     """
     work = op_work(graph)
     assignment = resolve_precisions(work, dict(kind_plan), device)
+    planned = {work.names[i]: cfg for i, cfg in assignment.planned.items()}
+    apply_plan_(model, planned, device=device)
     modules = dict(model.named_modules())
     applied = {}
-    for name, precision in zip(work.names, assignment.precision):
-        if precision is Precision.FP32 or name not in modules:
+    for i, (name, kind) in enumerate(zip(work.names, work.kinds)):
+        cfg = assignment.config(i)
+        if cfg.is_fp32:
             continue
-        try:
-            apply_plan_(model, {name: precision}, device=device)
-        except QSyncError:
-            continue
-        applied[name] = str(precision)
+        if name in planned:
+            applied[name] = str(cfg)
+        elif kind == "activation" and name in modules:
+            handler_for(kind).apply(modules[name], cfg, name)
+            applied[name] = str(cfg)
     return applied
+
+
+def apply_op_precision_(module: nn.Module, precision: "Precision | str", fqn: str = "") -> bool:
+    """Run one op module in ``precision`` as a plan (or, for an activation, the follow rules)
+    would, if the policy lets it; return whether it does (the profiler times ops this way).
+
+    Example::
+
+        >>> from torch import nn
+        >>> apply_op_precision_(nn.ReLU(), "bf16"), apply_op_precision_(nn.MaxPool2d(2), "bf16")
+        (True, False)
+    """
+    precision = Precision.parse(precision)
+    kind = module_kind(module)
+    if kind_allows(kind, precision) and module_refusal(module, kind) is None:
+        apply_plan_(module, {"": precision})
+        return True
+    if kind == "activation" and precision in ROUNDED_OUTPUTS:
+        handler_for(kind).apply(module, OpPrecision.parse(precision), fqn)
+        return True
+    return False
+
+
+def function_runs_in(fn_name: str, precision: "Precision | str") -> bool:
+    """Whether a plan can run the functional call ``fn_name`` in ``precision``."""
+    kind = function_kind(fn_name)
+    return kind_allows(kind, precision) and function_refusal(op_name_of(fn_name), kind) is None

@@ -22,13 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_bytes
 
-__all__ = ["capture_rng_state", "load_checkpoint", "restore_rng_state", "rounding_counters",
-           "restore_rounding_counters", "save_checkpoint"]
+__all__ = ["capture_rng_state", "load_checkpoint", "restore_rng_state", "save_checkpoint"]
 
 CHECKPOINT_FORMAT = 1
 
@@ -73,19 +71,3 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rounding_counters(model: nn.Module) -> dict[str, int]:
-    """Each low-precision op's stochastic-rounding call counter, by FQN."""
-    return {name: module.op_calls for name, module in model.named_modules()
-            if hasattr(module, "op_calls")}
-
-
-def restore_rounding_counters(model: nn.Module, counters: dict[str, int]) -> None:
-    """Set the counters saved by :func:`rounding_counters` (same plan, same FQNs)."""
-    modules = dict(model.named_modules())
-    for name, calls in counters.items():
-        if name not in modules or not hasattr(modules[name], "op_calls"):
-            raise QSyncError(f"checkpoint has a rounding counter for {name!r}, which is not a "
-                             "low-precision op of this model; resume with the same plan")
-        modules[name].op_calls = calls

@@ -5,7 +5,7 @@
 1. reads the plan and its cluster (world size, batch sizes, device kinds checked); the
    rank plays the device kind the plan gives it (``QSYNC_DEVICE_KIND`` overrides);
 2. builds the model (seeded: identical on every rank), applies the kind's precisions as
-   the simulator resolves them (:func:`~qsync_lab.runtime.resolve.resolved_runtime_plan`),
+   the simulator resolves them (:func:`~qsync_lab.quant.resolve.apply_resolved_plan_`),
    wraps it in DDP (gloo on CPU, NCCL on CUDA) with plain allreduce;
 3. trains ``steps`` global steps: each rank takes its slice of the global batch
    (:class:`~qsync_lab.runtime.sampler.UnevenBatchSampler`) and weights its loss by its
@@ -50,12 +50,11 @@ from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.io import atomic_write_text
 from qsync_lab.plan import Plan
+from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
 from qsync_lab.runtime.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
-                                          restore_rounding_counters, rounding_counters,
                                           save_checkpoint)
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.metrics import MetricsLog
-from qsync_lab.runtime.resolve import resolved_runtime_plan
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
 from qsync_lab.runtime.tasks import Task, default_task, load_task
 
@@ -211,7 +210,7 @@ class _Run:
         graph = trace_graph(model, inputs, target=target, loss_fn=self.task.loss_fn())
         self.plan.validate(graph, self.cluster)
         device_spec = self.cluster.catalog.device(self.kind)
-        self.applied = resolved_runtime_plan(model, graph, self.plan.precisions[self.kind],
+        self.applied = apply_resolved_plan_(model, graph, self.plan.precisions[self.kind],
                                              device_spec)
         self.graph = graph
         model = model.to(self.device)

@@ -15,8 +15,6 @@ Example::
 
 from qsync_lab.simulate.events import EVENT_COLUMNS, StreamEvents
 from qsync_lab.simulate.memory import MEMORY_COMPONENTS, memory_breakdown
-from qsync_lab.simulate.policy import (PLANNABLE_KINDS, PrecisionAssignment, resolve_precisions,
-                                       validate_plan)
 from qsync_lab.simulate.prepare import PreparedGraph, prepare_graph
 from qsync_lab.simulate.result import STREAMS, SimResult
 from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
@@ -24,8 +22,7 @@ from qsync_lab.simulate.simulator import ddp_work, simulate, sync_costs
 from qsync_lab.simulate.sync import replay_allreduces, shares_cores
 
 __all__ = [
-    "EVENT_COLUMNS", "MEMORY_COMPONENTS", "PLANNABLE_KINDS", "STREAMS", "ComputeTimeline",
-    "PrecisionAssignment", "PreparedGraph", "SimResult", "StreamEvents", "compute_timeline",
-    "ddp_work", "memory_breakdown", "prepare_graph", "replay_allreduces", "resolve_precisions",
-    "shares_cores", "simulate", "sync_costs", "validate_plan",
+    "EVENT_COLUMNS", "MEMORY_COMPONENTS", "STREAMS", "ComputeTimeline", "PreparedGraph",
+    "SimResult", "StreamEvents", "compute_timeline", "ddp_work", "memory_breakdown",
+    "prepare_graph", "replay_allreduces", "shares_cores", "simulate", "sync_costs",
 ]

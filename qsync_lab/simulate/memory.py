@@ -44,7 +44,7 @@ Example::
     >>> from qsync_lab.costs import op_work
     >>> from qsync_lab.devices import load_catalog
     >>> from qsync_lab.graph import trace_graph
-    >>> from qsync_lab.simulate.policy import resolve_precisions
+    >>> from qsync_lab.policy import resolve_precisions
     >>> graph = trace_graph(nn.Linear(10, 10), torch.randn(4, 10))
     >>> work = op_work(graph)
     >>> a = resolve_precisions(work, {}, load_catalog().device("T4"))
@@ -60,7 +60,7 @@ import pandas as pd
 from qsync_lab.costs import OpWork, batch_scales, optimizer_state_count
 from qsync_lab.costs.work import bits_ratio
 from qsync_lab.precision import Precision
-from qsync_lab.simulate.policy import PrecisionAssignment, storage_precision
+from qsync_lab.policy import PrecisionAssignment, storage_precision
 
 __all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "memory_breakdown", "saved_bits"]
 

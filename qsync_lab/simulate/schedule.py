@@ -31,7 +31,7 @@ Example::
     >>> from qsync_lab.costs import CostModel, op_work
     >>> from qsync_lab.devices import load_catalog
     >>> from qsync_lab.graph import trace_graph
-    >>> from qsync_lab.simulate.policy import resolve_precisions
+    >>> from qsync_lab.policy import resolve_precisions
     >>> work = op_work(trace_graph(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
     ...                            torch.randn(2, 4)))
     >>> t4 = load_catalog().device("T4")
@@ -50,7 +50,7 @@ from qsync_lab.costs import CostModel, OpWork, batch_scales, phase_work
 from qsync_lab.devices import DeviceSpec
 from qsync_lab.precision import Precision
 from qsync_lab.simulate.events import StreamEvents
-from qsync_lab.simulate.policy import PrecisionAssignment, storage_precision
+from qsync_lab.policy import PrecisionAssignment, storage_precision
 from qsync_lab.simulate.sync import DdpWork, copy_time_us
 
 __all__ = ["ComputeTimeline", "compute_timeline"]

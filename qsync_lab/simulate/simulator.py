@@ -46,7 +46,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.simulate.events import StreamEvents
 from qsync_lab.simulate.memory import MEMORY_COMPONENTS, memory_breakdown
-from qsync_lab.simulate.policy import KindPlan, resolve_precisions, validate_plan
+from qsync_lab.policy import KindPlan, resolve_precisions, validate_plan
 from qsync_lab.simulate.prepare import PreparedGraph, prepare_graph
 from qsync_lab.simulate.result import SimResult
 from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline

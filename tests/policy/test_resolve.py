@@ -1,40 +1,27 @@
-"""Plan validation (one-line errors) and QSync's precision policy for unplanned ops."""
+"""Plan validation (one-line errors), the follow rules for unplanned ops, the storage rules."""
 
 import pytest
 import torch
 import torch.nn as nn
-from tests.simulate.conftest import FAST, SLOW
 
-from qsync_lab.costs import CostModel, op_work
+from qsync_lab.costs import op_work
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
-from qsync_lab.simulate import resolve_precisions, simulate
+from qsync_lab.policy import resolve_precisions
 
 
-@pytest.mark.parametrize("plan, message", [
-    ({SLOW: {"fc9": "fp16"}}, "unknown op 'fc9'"),
-    ({FAST: {"0": "int8"}}, "V100-SXM2-32GB does not support int8"),
-    ({SLOW: {"1": "fp16"}}, "op '1' is of kind activation, whose precision follows its inputs"),
-    ({"A100-SXM4-80GB": {"0": "fp16"}}, "which the cluster does not have"),
-    ({"B300": {"0": "fp16"}}, "unknown device 'B300'"),
-    ({SLOW: {"0": "fp12"}}, "unknown precision 'fp12'"),
-])
-def test_bad_plans_raise_one_line_errors(graph, make_cluster, plan, message):
-    with pytest.raises(QSyncError, match=message) as info:
-        simulate(graph, plan, make_cluster([FAST, SLOW]), CostModel())
-    assert "\n" not in str(info.value)
-
-
-def test_int8_is_refused_for_norms_and_embeddings():
+def test_norms_refuse_int8_and_embeddings_refuse_tf32():
     model = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     work = op_work(trace_graph(model, torch.randint(0, 10, (2, 3))))
-    t4 = load_catalog().device("T4")
-    for fqn in ("0", "1"):
-        with pytest.raises(QSyncError, match="needs a floating-point precision"):
-            resolve_precisions(work, {fqn: "int8"}, t4)
-    assert [str(p) for p in resolve_precisions(work, {"0": "fp16", "1": "fp16", "2": "int8"},
-                                               t4).precision] == ["fp16", "fp16", "int8"]
+    t4, a100 = load_catalog().device("T4"), load_catalog().device("A100-SXM4-80GB")
+    with pytest.raises(QSyncError, match="op '1': layer_norm ops cannot run int8"):
+        resolve_precisions(work, {"1": "int8"}, t4)
+    with pytest.raises(QSyncError, match="op '0': embedding ops cannot run tf32"):
+        resolve_precisions(work, {"0": "tf32"}, a100)
+    assignment = resolve_precisions(work, {"0": "int8", "1": "fp16", "2": "int8"}, t4)
+    assert [str(p) for p in assignment.precision] == ["int8", "fp16", "int8"]
+    assert [str(p) for p in assignment.output] == ["fp32", "fp16", "fp32"]
 
 
 class _Block(nn.Module):
@@ -58,3 +45,20 @@ def test_unplanned_ops_follow_qsync_policy():
                          "add": "fp32", "soft": "fp32"}
     tf32 = resolve_precisions(work, {"fc1": "tf32"}, load_catalog().device("A100-SXM4-80GB"))
     assert str(tf32.output[0]) == "fp32"  # tf32 computes, but stores fp32: no casts
+
+
+def test_fp8_ops_write_fp32_and_compute_their_backward_in_e5m2():
+    work = op_work(trace_graph(_Block(), torch.randn(2, 8)))
+    h100 = load_catalog().device("H100-SXM5-80GB")
+    assignment = resolve_precisions(work, {"fc1": "fp8_e4m3"}, h100)
+    precision = dict(zip(work.names, map(str, assignment.precision)))
+    assert precision["drop"] == "fp32"  # follows fc1's fp32 output, as the operators write it
+    assert str(assignment.output[0]) == "fp32" and str(assignment.backward[0]) == "fp8_e5m2"
+
+
+def test_a_planned_backward_precision_is_what_the_op_runs_backward():
+    work = op_work(trace_graph(_Block(), torch.randn(2, 8)))
+    a100 = load_catalog().device("A100-SXM4-80GB")
+    assignment = resolve_precisions(work, {"fc1": {"forward": "int8", "backward": "bf16"}}, a100)
+    assert str(assignment.backward[0]) == "bf16"
+    assert assignment.config(0).backward_precision.value == "bf16"

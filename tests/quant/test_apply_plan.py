@@ -9,7 +9,7 @@ from torch import nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import example_batch, get_model, model_spec
-from qsync_lab.runtime import (
+from qsync_lab.quant import (
     QConv2d,
     QEmbedding,
     QLinear,
@@ -48,8 +48,8 @@ def _mixed_plan(model):
     table = describe_precisions(model)
     gemm = itertools.cycle(GEMM_CYCLE)
     boundary = itertools.cycle(BOUNDARY_CYCLE)
-    gemm_kinds = ("linear", "conv2d", "matmul", "embedding")
-    return {fqn: next(gemm) if kind in gemm_kinds else next(boundary)
+    norm_kinds = ("batch_norm", "layer_norm")
+    return {fqn: next(boundary) if kind in norm_kinds else next(gemm)
             for fqn, kind in table["kind"].items()}
 
 
@@ -105,13 +105,12 @@ def test_mixed_plan_swaps_gemm_modules_and_keeps_parameters():
 def test_describe_precisions_lists_settable_ops_with_their_config():
     model = _model("digits_cnn")
     apply_plan_(model, {"conv2": {"forward": "int8", "backward": "bf16", "rounding": "stochastic",
-                                  "granularity": "channel"}, "relu1": "fp16"})
+                                  "granularity": "channel"}, "bn1": "fp16"})
     table = describe_precisions(model)
     assert list(table.columns) == ["kind", "forward", "backward", "rounding", "granularity"]
-    assert list(table.index) == ["conv1", "bn1", "relu1", "conv2", "bn2", "relu2", "fc1",
-                                 "relu3", "fc2"]
+    assert list(table.index) == ["conv1", "bn1", "conv2", "bn2", "fc1", "fc2"]
     assert table.loc["conv2"].tolist() == ["conv2d", "int8", "bf16", "stochastic", "channel"]
-    assert table.loc["relu1"].tolist() == ["activation", "fp16", "fp16", "nearest", "tensor"]
+    assert table.loc["bn1"].tolist() == ["batch_norm", "fp16", "fp16", "nearest", "tensor"]
     assert table.loc["fc1"].tolist() == ["linear", "fp32", "fp32", "nearest", "tensor"]
     assert isinstance(model.conv2, QConv2d)
 
@@ -123,9 +122,11 @@ def test_describe_precisions_lists_settable_ops_with_their_config():
     ({"conv1": "int8"}, "V100-SXM2-32GB", "op 'conv1': V100-SXM2-32GB does not support int8"),
     ({"fc2": "fp8_e4m3"}, "A100-SXM4-80GB", "A100-SXM4-80GB does not support fp8_e4m3"),
     ({"bn1": "int8"}, None, "op 'bn1': batch_norm ops cannot run int8; they take fp32, bf16, fp16"),
-    ({"relu1": "fp8_e4m3"}, None, "activation ops cannot run fp8_e4m3"),
-    ({"pool": "fp16"}, None, "op 'pool' is a pool, which a plan cannot set"),
-    ({"flatten": "fp16"}, None, "op 'flatten' is a view"),
+    ({"relu1": "fp16"}, None, "op 'relu1': activation ops follow their inputs' precision"),
+    ({"pool": "fp16"}, None, "op 'pool': pool ops follow their inputs' precision"),
+    ({"flatten": "fp16"}, None, "op 'flatten': view ops follow"),
+    ({"bn1": "tf32"}, None, "op 'bn1': batch_norm ops cannot run tf32"),
+    ({"fc1.add": "fp16"}, None, "unknown op FQN 'fc1.add'"),
     ({"fc1": "int4"}, None, "op 'fc1': unknown precision 'int4'"),
     ({"fc1": {"forward": "fp16", "rounding": "stochastic"}}, None, "applies to int8 operators"),
     ({"fc1": {"forward": "int8", "backward": "int8"}}, None, "backward precision int8"),
@@ -145,10 +146,19 @@ def test_layer_norm_int8_and_dropout_are_refused_on_bert():
     ln = "bert.encoder.layer.0.attention.output.LayerNorm"
     with pytest.raises(QSyncError, match=f"op '{ln}': layer_norm ops cannot run int8"):
         apply_plan_(model, {ln: "int8"})
-    with pytest.raises(QSyncError, match="is a dropout, which a plan cannot set"):
+    with pytest.raises(QSyncError, match="dropout ops follow their inputs' precision"):
         apply_plan_(model, {"bert.embeddings.dropout": "fp16"})
     with pytest.raises(QSyncError, match="BertEncoder container, not an operator"):
         apply_plan_(model, {"bert.encoder": "fp16"})
+
+
+def test_a_functional_op_the_forward_never_calls_fails_the_first_forward():
+    model = _model("digits_cnn")
+    apply_plan_(model, {"matmul": "fp16"})  # a name a functional call could have
+    x = example_batch("digits_cnn", 2)[0][0]
+    with pytest.raises(QSyncError, match="sets functional op 'matmul', which the model's "
+                       "forward did not call"):
+        model(x)
 
 
 def test_device_spec_allows_what_it_supports():
@@ -159,11 +169,12 @@ def test_device_spec_allows_what_it_supports():
         "int8", "fp8_e4m3"]
 
 
-def test_tf32_on_ops_without_a_gemm_means_fp32():
+@pytest.mark.parametrize("fqn, kind", [("bert.embeddings.word_embeddings", "embedding"),
+                                       ("bert.embeddings.LayerNorm", "layer_norm")])
+def test_tf32_is_refused_on_ops_without_a_gemm(fqn, kind):
     model = _model("bert_mini")
-    apply_plan_(model, {"bert.embeddings.word_embeddings": "tf32",
-                        "bert.embeddings.LayerNorm": "tf32"})
-    assert (describe_precisions(model)["forward"] == "fp32").all()
+    with pytest.raises(QSyncError, match=f"op '{fqn}': {kind} ops cannot run tf32"):
+        apply_plan_(model, {fqn: "tf32"})
     assert type(model.bert.embeddings.word_embeddings) is nn.Embedding
 
 

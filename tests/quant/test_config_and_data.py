@@ -6,7 +6,7 @@ import torch
 from qsync_lab.datasets import load_digits_split
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
-from qsync_lab.runtime import OpPrecision
+from qsync_lab.policy import OpPrecision
 
 
 @pytest.mark.parametrize("spec, expected", [

@@ -13,7 +13,7 @@ import torch
 
 from qsync_lab.kernels import absmax, quantize_int8
 from qsync_lab.models import MatMul
-from qsync_lab.runtime import apply_plan_, encoding
+from qsync_lab.quant import apply_plan_, encoding
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -13,9 +13,9 @@ from torch import nn
 
 from qsync_lab.kernels import quantize_int8
 from qsync_lab.precision import Precision
-from qsync_lab.runtime import apply_plan_, gemm
-from qsync_lab.runtime.encoding import encode
-from qsync_lab.runtime.gemm import ConvKernel, LinearKernel, MatMulKernel
+from qsync_lab.quant import apply_plan_, gemm
+from qsync_lab.quant.encoding import encode
+from qsync_lab.quant.gemm import ConvKernel, LinearKernel, MatMulKernel
 
 
 def _codes(*shape, seed=0, low=-127):

@@ -5,7 +5,7 @@ import torch
 
 from qsync_lab.datasets import load_digits_split
 from qsync_lab.models import get_model
-from qsync_lab.runtime import apply_plan_
+from qsync_lab.quant import apply_plan_
 
 STEPS = 100
 BATCH = 64

@@ -8,13 +8,12 @@ import torch
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import get_model
-from qsync_lab.runtime import apply_plan_
-from qsync_lab.runtime.checkpoint import (load_checkpoint, restore_rounding_counters,
-                                          rounding_counters)
+from qsync_lab.quant import apply_plan_, restore_rounding_counters, rounding_counters
+from qsync_lab.runtime.checkpoint import load_checkpoint
 from qsync_lab.runtime.metrics import read_metrics
 from qsync_lab.runtime.tasks import Task
 from qsync_lab.runtime.trainer import TrainConfig, train
-from tests.train.conftest import cluster_file, write_plan
+from tests.runtime.conftest import cluster_file, write_plan
 
 INT8 = {"cpu": {"fc1": "int8", "conv2": "int8"}}
 TINY_BERT = {"vocab_size": 256, "seq_len": 16}
@@ -33,7 +32,7 @@ def test_training_logs_every_step_checkpoints_and_learns(tmp_path, single_rank_g
     losses = [r["loss"] for r in records]
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
     assert summary["test_accuracy"] > 0.8
-    assert summary["ranks"][0]["applied_plan"]["fc1"] == "int8"
+    assert summary["ranks"][0]["applied_plan"]["fc1"] == "int8/fp16 nearest tensor"
     assert summary["predicted_step_ms"] > 0 and summary["measured_peak_memory_mib"] > 0
     # the step-time median leaves out the first fifth of the steps (8 of 40) by default
     timed = [r["step_ms"][0] for r in records[8:]]

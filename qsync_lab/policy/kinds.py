@@ -1,0 +1,158 @@
+"""The table: which op kinds a plan may set, in which precisions, through which calls.
+
+=============================  =======================================  ==========================
+op kind                        precisions a plan may give it            calls a plan can set
+=============================  =======================================  ==========================
+linear                         every precision                          modules, ``F.linear``
+conv1d, conv2d, conv3d         every precision                          modules
+matmul                         every precision                          ``op_kind = "matmul"``
+                                                                        modules, ``torch.matmul``,
+                                                                        ``mm``, ``bmm``, ``@``
+embedding                      every precision but tf32 (no GEMM)       modules
+batch/layer/group/rms norm     fp32, fp16, bf16 (16-bit float I/O,      modules
+                               fp32 math inside)
+=============================  =======================================  ==========================
+
+"Every precision" is fp32, tf32, bf16, fp16, int8 and fp8 e4m3/e5m2. The backward pass must
+be one of the kind's precisions too (never int8), and the device must run both
+(:meth:`~qsync_lab.devices.DeviceSpec.supports`). Every other kind follows its inputs
+(:mod:`qsync_lab.policy.resolve`).
+
+Skip rules, per call: a module whose class overrides the forward of the torch class of its
+kind (a linear, conv or embedding subclass with its own forward: the low-precision
+version would replace that forward), a module that declares ``op_kind`` of a kind with a
+torch class without being one, an embedding with ``max_norm`` or sparse gradients, and
+functional calls of kinds without a functional entry above, all run in fp32.
+
+Example::
+
+    >>> from torch import nn
+    >>> from qsync_lab.precision import Precision
+    >>> kind_allows("embedding", Precision.TF32), kind_allows("layer_norm", Precision.BF16)
+    (False, True)
+    >>> module_refusal(nn.Embedding(10, 4, max_norm=1.0), "embedding")
+    'an embedding with max_norm or sparse gradients runs in fp32'
+    >>> function_refusal("bmm", "matmul") is None, function_refusal("conv2d", "conv2d")
+    (True, 'functional conv2d calls run in fp32; use a module to plan it')
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from torch import nn
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.policy.op_precision import OpPrecision
+from qsync_lab.precision import Precision
+
+__all__ = ["PLANNABLE_KINDS", "KindRule", "allowed_precisions", "check_op_precision",
+           "function_refusal", "kind_allows", "module_refusal"]
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """How plans may set the ops of one kind.
+
+    Attributes:
+        precisions: what the forward and backward passes may run in.
+        torch_class: the torch module class of the kind (None: modules declare it with
+            ``op_kind``, as the zoo's ``MatMul`` does).
+        replaces_forward: whether a low precision replaces the module's forward (GEMM
+            kinds) rather than rounding its inputs and outputs (norms).
+        functions: functional calls (operator names) a plan can set too.
+    """
+
+    precisions: frozenset[Precision]
+    torch_class: type[nn.Module] | None
+    replaces_forward: bool
+    functions: frozenset[str] = frozenset()
+
+
+_EVERY = frozenset(Precision)
+_NORM = frozenset({Precision.FP32, Precision.FP16, Precision.BF16})
+
+#: op kind -> its rule; kinds not listed follow their inputs
+PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
+    "linear": KindRule(_EVERY, nn.Linear, True, frozenset({"linear"})),
+    "conv1d": KindRule(_EVERY, nn.Conv1d, True),
+    "conv2d": KindRule(_EVERY, nn.Conv2d, True),
+    "conv3d": KindRule(_EVERY, nn.Conv3d, True),
+    "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"})),
+    "embedding": KindRule(_EVERY - {Precision.TF32}, nn.Embedding, True),
+    "batch_norm": KindRule(_NORM, nn.modules.batchnorm._BatchNorm, False),
+    "layer_norm": KindRule(_NORM, nn.LayerNorm, False),
+    "group_norm": KindRule(_NORM, nn.GroupNorm, False),
+    "rms_norm": KindRule(_NORM, nn.RMSNorm, False),
+})
+
+
+def allowed_precisions(kind: str) -> frozenset[Precision]:
+    """The precisions a plan may give ops of ``kind`` (empty for kinds that follow)."""
+    rule = PLANNABLE_KINDS.get(kind)
+    return rule.precisions if rule is not None else frozenset()
+
+
+def kind_allows(kind: str, precision: "Precision | str") -> bool:
+    """Whether a plan may run ops of ``kind`` in ``precision`` (on some device)."""
+    return Precision.parse(precision) in allowed_precisions(kind)
+
+
+def module_refusal(module: nn.Module, kind: str | None) -> str | None:
+    """Why a plan cannot set this module (traced as an op of ``kind``), or None if it can."""
+    rule = PLANNABLE_KINDS.get(kind)
+    if rule is None:
+        return _follower_text(kind)
+    # a module already in low precision is judged by the class it was made from
+    cls = getattr(type(module), "op_float_class", type(module))
+    if rule.torch_class is not None and not isinstance(module, rule.torch_class):
+        return (f"its class {cls.__name__} declares op_kind {kind!r} but is not a "
+                f"{rule.torch_class.__name__}; it runs in fp32")
+    if (rule.replaces_forward and rule.torch_class is not None
+            and cls.forward is not rule.torch_class.forward):
+        return (f"its class {cls.__name__} has its own forward, which a low precision would "
+                "replace; it runs in fp32")
+    if kind == "embedding" and (module.max_norm is not None or module.sparse):
+        return "an embedding with max_norm or sparse gradients runs in fp32"
+    return None
+
+
+def function_refusal(op_name: str, kind: str) -> str | None:
+    """Why a plan cannot set a functional call of ``kind``, or None if it can.
+
+    ``op_name`` is the call's operator name (``matmul`` for ``torch.matmul``,
+    ``Tensor.matmul`` and ``@``; :func:`qsync_lab.graph.records.op_name_of`).
+    """
+    rule = PLANNABLE_KINDS.get(kind)
+    if rule is None:
+        return _follower_text(kind)
+    if op_name not in rule.functions:
+        return f"functional {kind} calls run in fp32; use a module to plan it"
+    return None
+
+
+def check_op_precision(kind: str, spec: "str | Precision | OpPrecision | Mapping",
+                       device=None) -> OpPrecision:
+    """The config of ``spec`` if ops of ``kind`` may run it (on ``device`` when given).
+
+    Raises:
+        QSyncError: one line: the kind follows its inputs, the kind cannot take the forward
+            or backward precision, or the device cannot run one of them.
+    """
+    cfg = OpPrecision.parse(spec)
+    rule = PLANNABLE_KINDS.get(kind)
+    if rule is None:
+        raise QSyncError(_follower_text(kind) + "; remove it from the plan")
+    for precision in dict.fromkeys((cfg.forward, cfg.backward_precision)):
+        if precision not in rule.precisions:
+            allowed = ", ".join(p for p in Precision if p in rule.precisions)
+            raise QSyncError(f"{kind} ops cannot run {precision}; they take {allowed}")
+        if device is not None:
+            device.require(precision)
+    return cfg
+
+
+def _follower_text(kind: str | None) -> str:
+    planned = ", ".join(PLANNABLE_KINDS)
+    return (f"{kind or 'this'} ops follow their inputs' precision (a plan sets only "
+            f"{planned})")
