@@ -120,6 +120,9 @@ def indicator(model: nn.Module, graph, batches: Iterable, *,
     """
     if gamma < 0:
         raise QSyncError(f"gamma must be >= 0, got {gamma}")
+    if (graph.ops["plan_refusal"] != "").all():
+        raise QSyncError(f"{type(model).__name__} has no op a plan can set (linear, conv, "
+                         "matmul, embedding or norm); there is nothing to score")
     stats = collect_statistics(model, batches, loss_fn, precisions=precisions,
                                rounding=rounding, num_batches=num_batches, seed=seed,
                                progress=progress)

@@ -1,6 +1,8 @@
 """Per-operator statistics for the indicator, gathered with hooks over calibration batches.
 
-For every call of a scorable operator (linear, conv, matmul, embedding) and every batch,
+For every call of a scorable operator (linear, conv, matmul, embedding modules, and the
+functional matmul and linear calls a plan can set, named as the tracers name them with
+:class:`~qsync_lab.graph.ScopedCalls`) and every batch,
 :func:`collect_statistics` records one row: multiply-adds ``macs``; element counts
 ``numel_a`` (first operand: the activation input), ``numel_b`` (second operand: the weight,
 or the second activation of a matmul) and ``numel_g`` (the output gradient); squared norms
@@ -35,10 +37,12 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph.kinds import module_kind
+from qsync_lab.graph.calls import ScopedCalls
+from qsync_lab.graph.kinds import function_kind, module_kind
+from qsync_lab.graph.records import op_name_of
 from qsync_lab.indicator.formats import noise_variance, operand_noise
 from qsync_lab.modelstate import preserved_state
-from qsync_lab.policy import DEFAULT_BACKWARD, kind_allows
+from qsync_lab.policy import DEFAULT_BACKWARD, function_refusal, kind_allows
 from qsync_lab.precision import Precision
 
 #: kinds scored as bilinear ops (and embeddings): every GEMM-shaped plannable kind
@@ -120,21 +124,23 @@ class _Recorder:
         self.weight_stats: dict[str, dict] = {}  # weights do not change during calibration
 
     def attach(self) -> list:
+        """Hooks on the scored modules, and a mode around every forward for the functional
+        matmuls and linears; their handles."""
         handles = []
         for fqn, module in self.model.named_modules():
             kind = module_kind(module)
             if kind in SCORED_KINDS:
                 handles.append(module.register_forward_hook(
-                    lambda m, args, out, fqn=fqn, kind=kind: self._forward(fqn, kind, m, args,
-                                                                           out)))
+                    lambda m, args, out, fqn=fqn, kind=kind: self._forward(
+                        self._name(fqn), kind, *_operands(kind, m, args), out,
+                        list(m.parameters()))))
             elif kind in NORM_KINDS:
                 handles.append(module.register_forward_hook(
                     lambda m, args, out, fqn=fqn, kind=kind: self._norm_forward(
                         fqn, kind, m, args, out)))
-        if not handles:
-            raise QSyncError(f"{type(self.model).__name__} has no linear, conv, matmul or "
-                             "embedding modules to score")
-        return handles
+        calls = _FunctionalCalls(self.model, self)
+        calls.attach()
+        return [*handles, calls]
 
     def run_batch(self, inputs, target, loss_fn, batch: int) -> list[dict]:
         self.calls.clear()
@@ -147,10 +153,12 @@ class _Recorder:
             raise QSyncError(f"calibration batch {batch} gives a non-finite loss ({loss.item()});"
                              " check the data and the model")
         loss.backward()
+        if not self.rows:
+            raise QSyncError(f"{type(self.model).__name__} ran no linear, conv, matmul, "
+                             "embedding or norm op to score")
         for row in self.rows:
             row["batch"] = batch
-            module = row.pop("_module")
-            row["sumsq_wgrad"] = sum(_sumsq(p.grad) for p in module.parameters()
+            row["sumsq_wgrad"] = sum(_sumsq(p.grad) for p in row.pop("_params")
                                      if p.grad is not None)
         return self.rows
 
@@ -159,13 +167,12 @@ class _Recorder:
         self.calls[fqn] = count + 1
         return fqn if count == 0 else f"{fqn}@{count}"
 
-    def _forward(self, fqn, kind, module, args, out) -> None:
-        name = self._name(fqn)
+    def _forward(self, name, kind, a, b, out, params) -> None:
+        """The row of a bilinear op (or embedding) ``name`` with operands ``a``, ``b``."""
         with torch.no_grad():
-            a, b = _operands(kind, module, args)
             row = {"op": name, "kind": kind, "macs": _macs(kind, a, b, out),
                    "numel_a": a.numel(), "numel_b": b.numel(), "numel_g": out.numel(),
-                   "_module": module}
+                   "_params": params}
             if kind == "embedding":  # indices are not rounded
                 row.update({"sumsq_a": 0.0}, **{f"noise_a[{p}]": 0.0 for p in self.precisions})
             else:
@@ -173,9 +180,9 @@ class _Recorder:
             if kind == "matmul":
                 row.update(self._operand_stats("b", b))
             else:
-                if fqn not in self.weight_stats:
-                    self.weight_stats[fqn] = self._operand_stats("b", b)
-                row.update(self.weight_stats[fqn])
+                if name not in self.weight_stats:
+                    self.weight_stats[name] = self._operand_stats("b", b)
+                row.update(self.weight_stats[name])
         self.rows.append(row)
         if out.requires_grad:
             out.register_hook(lambda g, row=row: self._backward(row, g))
@@ -200,7 +207,7 @@ class _Recorder:
             row = {"op": name, "kind": kind, "macs": 0, "numel_a": x.numel(),
                    "numel_b": sum(p.numel() for p in params),
                    "numel_g": out.numel(), "sumsq_b": sum(_sumsq(p) for p in params),
-                   **{f"noise_b[{p}]": 0.0 for p in self.precisions}, "_module": module}
+                   **{f"noise_b[{p}]": 0.0 for p in self.precisions}, "_params": params}
             row.update(self._operand_stats("a", x))
             y_noise = operand_noise(out, allowed)
             for p in self.precisions:
@@ -313,6 +320,26 @@ class _NormGeometry:
 
 def _dot(weights: torch.Tensor, values: torch.Tensor) -> float:
     return float((weights.double() * values.double()).sum())
+
+
+class _FunctionalCalls(ScopedCalls):
+    """Turns the model's plannable functional matmul and linear calls into rows."""
+
+    def __init__(self, model: nn.Module, recorder: _Recorder) -> None:
+        super().__init__(model)
+        self.recorder = recorder
+
+    def on_call(self, name, fn_name, func, args, kwargs):
+        out = func(*args, **kwargs)
+        kind = function_kind(fn_name)
+        if kind in SCORED_KINDS and function_refusal(op_name_of(fn_name), kind) is None:
+            a, b = (args[1], args[0]) if fn_name == "__rmatmul__" else args[:2]
+            params = [t for t in (*args, *kwargs.values()) if isinstance(t, nn.Parameter)]
+            self.recorder._forward(name, kind, a, b, out, params)
+        return out
+
+    def remove(self) -> None:
+        self.detach()
 
 
 def _operands(kind: str, module: nn.Module, args) -> tuple[torch.Tensor, torch.Tensor]:
