@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from qsync_lab.allocate import (AdditiveInstance, PlanEvaluator, allocate_detailed,
+from qsync_lab.allocate import (AdditiveInstance, allocate_detailed,
                                 compare_strategies, linearized_instance, op_choices,
                                 optimality_gap)
 from qsync_lab.cluster import load_cluster
@@ -29,7 +29,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.indicator import indicator
 from qsync_lab.models import example_batch, get_model, model_spec
-from qsync_lab.simulate import prepare_graph
+from qsync_lab.simulate import PlanEvaluator, prepare_graph
 
 TARGET_S = 2.0
 CALIBRATION_BATCHES = 2

@@ -201,8 +201,8 @@ def main() -> None:
                     runs.append({"round": round_index, "model": name, "plan": plan_name,
                                  "step_ms": run["measured_step_ms"],
                                  "pred_ms": run["predicted_step_ms"],
-                                 "peak_MiB": run["measured_peak_memory_mib"],
-                                 "pred_MiB": run["predicted_peak_memory_mib"]})
+                                 "peak_MiB": run["measured_tensor_peak_mib"],
+                                 "pred_MiB": run["predicted_tensor_peak_mib"]})
     runs = pd.DataFrame(runs)
     table = summarize(runs)
     if model_rows:  # the machine's rows and every model's rows, by shape only (FQNs such

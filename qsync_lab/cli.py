@@ -204,7 +204,7 @@ def _cmd_simulate(args) -> None:
           f"samples/s, {sim.wire_bytes.iloc[0] / 2**20:.1f} MiB sent per rank\n")
     summary = sim.rank_summary().groupby(["device", "batch_size"]).agg(
         ranks=("busy_us", "size"), busy_ms=("busy_us", "max"), idle_ms=("idle_us", "max"),
-        peak_memory_gib=("peak_memory_gib", "max"))
+        tensor_peak_gib=("tensor_peak_gib", "max"))
     summary[["busy_ms", "idle_ms"]] /= 1e3
     print(summary.round(2).to_string())
     sources = sim.events.groupby("source")["dur_us"].sum() / 1e3

@@ -14,6 +14,8 @@ Example::
     ('nvlink2', 'eth_100g')
 """
 
+import hashlib
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -38,7 +40,7 @@ from qsync_lab.precision import Precision
 from qsync_lab.resources import data_file
 from qsync_lab.tomlfile import TomlTable, read_toml
 
-__all__ = ["Cluster", "RankSpec", "list_clusters", "load_cluster"]
+__all__ = ["Cluster", "RankSpec", "cluster_from_definition", "list_clusters", "load_cluster"]
 
 EMULATION_TARGETS = ("cpu",)
 _CLUSTER_KEYS = ("name", "description", "batch_size", "inter_node_link", "node")
@@ -82,7 +84,10 @@ class Cluster:
         intra_node_links: the link inside each node, in node-rank order.
         inter_node_link: the link between nodes (None for a one-node cluster).
         catalog: the device catalog the device names refer to.
-        source: the file the cluster was read from.
+        source: where the cluster was read from (a file, or a plan that carries it).
+        definition: the cluster's document as read (TOML tables as plain data): a plan
+            carries it, so the plan can be moved to the machines it is for
+            (:func:`cluster_from_definition`).
     """
 
     name: str
@@ -93,6 +98,19 @@ class Cluster:
     inter_node_link: LinkSpec | None
     catalog: DeviceCatalog = field(repr=False)
     source: str
+    definition: Mapping[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    def fingerprint(self) -> str:
+        """sha256 of the definition (canonical JSON): the same cluster wherever it is read.
+
+        Example::
+
+            >>> a = load_cluster("local-hybrid")
+            >>> a.fingerprint() == cluster_from_definition(a.definition).fingerprint()
+            True
+        """
+        text = json.dumps(self.definition, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @property
     def world_size(self) -> int:
@@ -265,8 +283,27 @@ def load_cluster(
         >>> [(r.rank, r.device, r.emulate_on) for r in cluster.ranks]
         [(0, 'V100-SXM2-32GB', 'cpu'), (1, 'T4', 'cpu')]
     """
+    return _build(read_toml(_cluster_file(name_or_path)), catalog)
+
+
+def cluster_from_definition(definition: Mapping[str, object], *, origin: str = "cluster",
+                            catalog: DeviceCatalog | None = None) -> Cluster:
+    """The cluster a :attr:`Cluster.definition` describes (errors name ``origin``).
+
+    Example::
+
+        >>> definition = {"name": "two", "batch_size": 8, "node": [{"name": "n0",
+        ...     "intra_node_link": "pcie3_x16", "devices": [{"kind": "T4", "count": 2}]}]}
+        >>> cluster_from_definition(definition).device_kinds
+        ('T4',)
+    """
+    if not isinstance(definition, Mapping):
+        raise QSyncError(f"{origin}: expected a cluster table, got {type(definition).__name__}")
+    return _build(TomlTable(definition, origin), catalog)
+
+
+def _build(document: TomlTable, catalog: DeviceCatalog | None) -> Cluster:
     catalog = catalog if catalog is not None else load_catalog()
-    document = read_toml(_cluster_file(name_or_path))
     document.check_keys(_CLUSTER_KEYS)
     default_batch_size = document.positive_int("batch_size", None)
     node_tables = document.tables("node")
@@ -302,7 +339,17 @@ def load_cluster(
         inter_node_link=_link(catalog, document, "inter_node_link") if has_inter_link else None,
         catalog=catalog,
         source=document.file,
+        definition=_plain(document.data),
     )
+
+
+def _plain(value):
+    """A TOML document as JSON-ready data (tables as dicts, arrays as lists)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _cluster_file(name_or_path: "str | os.PathLike[str]") -> "Traversable | str | os.PathLike[str]":

@@ -81,7 +81,7 @@ def _paper_scale(out: Path, name: str, cluster_name: str) -> None:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(compare_strategies(graph, cluster, costs, scores).round(2).to_string())
     result.plan.for_model(name).save(out / "paper_plan.json")
-    simulate(graph, result.plan.simulator_plan(), cluster, costs).to_perfetto(
+    simulate(graph, result.plan, cluster, costs).to_perfetto(
         out / "paper_trace.json")
     print(f"QSync plan: iteration {result.iteration_us / 1e3:.1f} ms, allocated in "
           f"{result.seconds:.2f} s; wrote {out / 'paper_plan.json'}, {out / 'paper_trace.json'}")
@@ -126,7 +126,7 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     top = scores[("fp16", "omega")].sort_values(ascending=False).head(3)
     print("most sensitive ops at fp16: " + ", ".join(top.index))
     _section("7. allocation for a real V100 + T4 (catalog costs)")
-    result = allocate_detailed(graph, cluster, CostModel(), scores)
+    result = allocate_detailed(graph, cluster, CostModel(), scores, optimizer=LOCAL_OPTIMIZER)
     plan = result.plan.for_model(name, kwargs)
     plan.save(out / "plan.json")
     low = {kind: n for kind, n in plan.low_precision_ops().items()}
@@ -134,8 +134,7 @@ def _on_this_machine(out: Path, steps: int) -> dict:
           f"{result.iteration_us / 1e3:.2f} ms (pace {result.target_us / 1e3:.2f} ms)")
     _section("8. simulate the emulated run (this CPU's profile) and write the trace")
     profiles = (str(profile), str(data_file("profiles", "cpu.csv")))
-    predicted = predict_plan(plan, graph, cluster, load_cost_model(*profiles),
-                             optimizer=LOCAL_OPTIMIZER)
+    predicted = predict_plan(plan, graph, load_cost_model(*profiles))
     predicted.to_perfetto(out / "trace.json")
     print(f"predicted step {predicted.iteration_us / 1e3:.2f} ms; wrote {out / 'plan.json'} "
           f"and {out / 'trace.json'} (open it in ui.perfetto.dev)")
@@ -143,7 +142,7 @@ def _on_this_machine(out: Path, steps: int) -> dict:
     run_dir = out / "run"
     command = torchrun_command(str(out / "plan.json"), cluster.world_size, runtime_args=[
         "--run-dir", str(run_dir), "--steps", str(steps), "--checkpoint-every", "0",
-        "--optimizer", LOCAL_OPTIMIZER, "--lr", str(LOCAL_LR),
+        "--lr", str(LOCAL_LR),
         "--threads", "1", *[arg for p in profiles for arg in ("--profile", p)]])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -168,9 +167,9 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
           .to_string())
     print(f"step time: measured {summary['measured_step_ms']:.2f} ms, predicted "
           f"{summary['predicted_step_ms']:.2f} ms ({summary['step_error_pct']:+.1f} %)")
-    print(f"peak tensor memory: measured {summary['measured_peak_memory_mib']:.1f} MiB, "
-          f"predicted {summary['predicted_peak_memory_mib']:.1f} MiB "
-          f"({summary['memory_error_pct']:+.1f} %)")
+    print(f"peak tensor memory: measured {summary['measured_tensor_peak_mib']:.1f} MiB, "
+          f"predicted {summary['predicted_tensor_peak_mib']:.1f} MiB "
+          f"({summary['tensor_peak_error_pct']:+.1f} %)")
     losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
     half = max(1, len(losses) // 2)
     head, tail = losses[:half], losses[-half:]

@@ -20,7 +20,8 @@ def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> None:
 
 
 def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + ``os.replace``)."""
+    """Write ``data`` to ``path`` atomically (temp file + fsync + ``os.replace``), with the
+    mode a plain ``open`` would give it (the umask's)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -28,8 +29,15 @@ def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
+            os.fchmod(handle.fileno(), 0o666 & ~_umask())
             os.fsync(handle.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -1,10 +1,14 @@
 """``Plan``: the frozen, versioned result of an allocation, as one JSON file.
 
-A plan says, for one model on one cluster, which batch size every rank runs, which
-precision every planned op runs in on each device kind, and (filled by gradient
-compression, issue #9) how each parameter's gradient is compressed. It is written as
-``{"_type": "qsync_lab.Plan", "_version": 1, "_data": {...}}`` (torchao's config
-practice), atomically, and checked on load against the model and the cluster.
+A plan says, for one model on one cluster, which batch size every rank runs, how every
+planned op computes on each device kind (forward and backward precision, rounding,
+granularity: :class:`~qsync_lab.policy.OpPrecision`), which optimizer the run uses (the
+memory model counts its state) and how gradients are compressed. It carries the cluster's
+definition, not a path, so it can be moved to the cluster it is for. It is written as
+``{"_type": "qsync_lab.Plan", "_version": 2, "_data": {...}}`` (torchao's config
+practice), atomically, and checked on load against the model and the cluster. Every
+command and function that takes a plan takes this file; version-1 files are migrated on
+load (:class:`PlanMigrationWarning` says what was filled in).
 
 Example::
 
@@ -13,37 +17,45 @@ Example::
     >>> from qsync_lab.cluster import load_cluster
     >>> from qsync_lab.graph import trace_graph
     >>> graph = trace_graph(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(2, 8))
-    >>> cluster = load_cluster("local-hybrid")
-    >>> plan = Plan.build(graph, cluster, {"T4": {"0": "fp16"}}, strategy="manual")
+    >>> plan = Plan.build(graph, load_cluster("local-hybrid"), {"T4": {"0": "fp16"}},
+    ...                   strategy="manual", optimizer="adamw")
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
     >>> plan.save(path)
-    >>> Plan.load(path, graph=graph, cluster=cluster) == plan
+    >>> Plan.load(path, graph=graph) == plan
     True
-    >>> plan.simulator_plan()
-    {'V100-SXM2-32GB': {}, 'T4': {'0': 'fp16'}}
+    >>> str(plan.precisions["T4"]["0"]), plan.cluster.name, plan.optimizer
+    ('fp16/fp16 nearest tensor', 'local-hybrid', 'adamw')
 """
 
 import dataclasses
+import functools
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from qsync_lab.cluster import Cluster
+from qsync_lab.cluster import Cluster, cluster_from_definition, list_clusters, load_cluster
+from qsync_lab.costs import OPTIMIZER_STATES
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.io import atomic_write_text
-from qsync_lab.precision import Precision
+from qsync_lab.policy import KindPlan, OpPrecision
 
-__all__ = ["PLAN_TYPE", "SCHEMA_VERSION", "Plan", "RankPlan"]
+__all__ = ["PLAN_TYPE", "SCHEMA_VERSION", "Plan", "PlanMigrationWarning", "RankPlan"]
 
 PLAN_TYPE = "qsync_lab.Plan"
-SCHEMA_VERSION = 1
-_DATA_KEYS = ("model_fingerprint", "cluster", "ranks", "precisions", "gradient_compression",
+SCHEMA_VERSION = 2
+_DATA_KEYS = ("model", "cluster", "ranks", "precisions", "optimizer", "compression",
               "strategy")
+_V1_OPTIMIZER = "sgd_momentum"  # what a version-1 run trained with by default
+
+
+class PlanMigrationWarning(UserWarning):
+    """A version-1 plan was read; the warning says what its version-2 form filled in."""
 
 
 @dataclass(frozen=True)
@@ -61,61 +73,72 @@ class Plan:
 
     Attributes:
         model_fingerprint: :meth:`OpGraph.fingerprint` of the model planned for.
-        cluster_name: the cluster's name.
-        cluster_source: the file the cluster was read from.
+        cluster_definition: the cluster's definition (:attr:`Cluster.definition`).
         ranks: per rank, its device kind and batch size (the plan may change batches).
-        precisions: device kind -> {op FQN -> precision}; ops left out run as the
-            simulator's policy says (fp32 for plannable kinds).
-        gradient_compression: parameter FQN -> compression settings (issue #9; empty
-            means plain fp32 allreduce).
+        precisions: device kind -> {op FQN -> config}; ops left out follow the policy
+            (:mod:`qsync_lab.policy`: fp32 for plannable kinds).
+        optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``: what the run trains
+            with, and what the memory model counts.
+        compression: gradient compression settings (empty: plain fp32 allreduce).
         strategy: which allocator made the plan.
         model_name: the zoo model planned for, if any (the runtime builds it from this).
         model_kwargs: the zoo model's keyword arguments.
-        schema_version: the JSON schema version (``_version``).
     """
 
     model_fingerprint: str
-    cluster_name: str
-    cluster_source: str
+    cluster_definition: Mapping[str, Any] = field(hash=False, repr=False)
     ranks: tuple[RankPlan, ...]
-    precisions: Mapping[str, Mapping[str, Precision]] = field(hash=False)
-    gradient_compression: Mapping[str, Mapping[str, Any]] = field(default_factory=dict,
-                                                                   hash=False)
+    precisions: Mapping[str, Mapping[str, OpPrecision]] = field(hash=False)
+    optimizer: str = "sgd_momentum"
+    compression: Mapping[str, Any] = field(default_factory=dict, hash=False)
     strategy: str = ""
     model_name: str = ""
     model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
+                             f"{', '.join(OPTIMIZER_STATES)}")
 
     @classmethod
-    def build(cls, graph: OpGraph, cluster: Cluster,
-              precisions: Mapping[str, Mapping[str, "Precision | str"]], *,
-              strategy: str = "", gradient_compression: Mapping[str, Mapping[str, Any]] = None,
-              model_name: str = "", model_kwargs: Mapping[str, Any] | None = None) -> "Plan":
+    def build(cls, graph: OpGraph, cluster: Cluster, precisions: Mapping[str, KindPlan], *,
+              strategy: str = "", optimizer: str = "sgd_momentum",
+              compression: Mapping[str, Any] | None = None, model_name: str = "",
+              model_kwargs: Mapping[str, Any] | None = None) -> "Plan":
         """A plan for ``graph`` on ``cluster`` (its batch sizes), checked against both.
 
-        ``precisions`` may name device kinds by any catalog alias; every cluster kind
-        gets an entry (empty: all fp32). ``model_name``/``model_kwargs`` name the zoo model
-        so that ``python -m qsync_lab.runtime --plan`` can build it without ``--model``.
+        ``precisions`` may name device kinds by any catalog alias and give each op a
+        precision name, an :class:`~qsync_lab.policy.OpPrecision` or its mapping; every
+        cluster kind gets an entry (empty: all fp32). ``model_name``/``model_kwargs`` name
+        the zoo model so that ``qsync-lab run`` can build it.
         """
         names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
         plan = cls(
             model_fingerprint=graph.fingerprint(),
-            cluster_name=cluster.name,
-            cluster_source=str(cluster.source),
+            cluster_definition=_frozen_data(cluster.definition),
             ranks=tuple(RankPlan(r.rank, r.device, r.batch_size) for r in cluster.ranks),
-            precisions=_frozen({kind: {fqn: Precision.parse(p) for fqn, p in
+            precisions=_frozen({kind: {fqn: OpPrecision.parse(p) for fqn, p in
                                        names.get(kind, {}).items()}
                                 for kind in cluster.device_kinds}),
-            gradient_compression=_frozen(gradient_compression or {}),
+            optimizer=optimizer, compression=_frozen_data(compression or {}),
             strategy=strategy, model_name=model_name,
-            model_kwargs=MappingProxyType(dict(model_kwargs or {})))
+            model_kwargs=_frozen_data(model_kwargs or {}))
         plan.validate(graph, cluster)
         return plan
 
     def for_model(self, name: str, kwargs: Mapping[str, Any] | None = None) -> "Plan":
         """This plan, recording that it is for the zoo model ``name(**kwargs)``."""
-        return dataclasses.replace(self, model_name=name,
-                                   model_kwargs=MappingProxyType(dict(kwargs or {})))
+        return dataclasses.replace(self, model_name=name, model_kwargs=_frozen_data(kwargs or {}))
+
+    @functools.cached_property
+    def cluster(self) -> Cluster:
+        """The cluster the plan is for, with the plan's per-rank batch sizes."""
+        return self.apply_to(cluster_from_definition(_thawed(self.cluster_definition),
+                                                     origin="the plan's cluster"))
+
+    @property
+    def cluster_name(self) -> str:
+        return str(self.cluster_definition.get("name", ""))
 
     @property
     def world_size(self) -> int:
@@ -126,14 +149,9 @@ class Plan:
         """Per-rank batch sizes, in rank order."""
         return tuple(r.batch_size for r in self.ranks)
 
-    def simulator_plan(self) -> dict[str, dict[str, str]]:
-        """The plan as :func:`~qsync_lab.simulate.simulate` and ``apply_plan_`` take it."""
-        return {kind: {fqn: str(p) for fqn, p in ops.items()}
-                for kind, ops in self.precisions.items()}
-
     def low_precision_ops(self) -> dict[str, int]:
         """Per device kind, how many ops the plan runs in a precision other than fp32."""
-        return {kind: sum(p is not Precision.FP32 for p in ops.values())
+        return {kind: sum(not cfg.is_fp32 for cfg in ops.values())
                 for kind, ops in self.precisions.items()}
 
     def apply_to(self, cluster: Cluster) -> Cluster:
@@ -143,8 +161,8 @@ class Plan:
 
             >>> from qsync_lab.cluster import load_cluster
             >>> cluster = load_cluster("local-hybrid")
-            >>> plan = Plan("abc", cluster.name, cluster.source,
-            ...             (RankPlan(0, "V100-SXM2-32GB", 20), RankPlan(1, "T4", 12)), {})
+            >>> plan = Plan("abc", cluster.definition, (RankPlan(0, "V100-SXM2-32GB", 20),
+            ...             RankPlan(1, "T4", 12)), {})
             >>> [r.batch_size for r in plan.apply_to(cluster).ranks]
             [20, 12]
         """
@@ -154,45 +172,48 @@ class Plan:
         return dataclasses.replace(cluster, ranks=ranks)
 
     def validate(self, graph: OpGraph | None = None, cluster: Cluster | None = None) -> None:
-        """Check the plan against a model and/or a cluster.
+        """Check the plan against a model and a cluster (default: its own).
 
         Raises:
             QSyncError: another model, a world size or device list that does not match,
-                an unknown op FQN or a precision a device cannot run, in one line.
+                an unknown op FQN or a precision an op or device cannot run, in one line.
         """
-        if cluster is not None:
-            self._check_cluster(cluster)
-        if graph is not None:
-            fingerprint = graph.fingerprint()
-            if fingerprint != self.model_fingerprint:
-                raise QSyncError(f"the plan was made for another model (fingerprint "
-                                 f"{self.model_fingerprint}, this model's is {fingerprint}); "
-                                 "re-plan for this model with `qsync-lab plan`")
-        if graph is not None and cluster is not None:
-            from qsync_lab.costs import op_work
-            from qsync_lab.policy import validate_plan
+        cluster = cluster if cluster is not None else self.cluster
+        self._check_cluster(cluster)
+        for kind, ops in self.precisions.items():
+            device = cluster.catalog.device(kind)
+            for fqn, cfg in ops.items():
+                for precision in (cfg.forward, cfg.backward_precision):
+                    if not device.supports(precision):
+                        raise QSyncError(f"plan for {kind}: op {fqn!r}: {kind} cannot run "
+                                         f"{precision}; re-plan for this cluster")
+        if graph is None:
+            return
+        fingerprint = graph.fingerprint()
+        if fingerprint != self.model_fingerprint:
+            raise QSyncError(f"the plan was made for another model (fingerprint "
+                             f"{self.model_fingerprint}, this model's is {fingerprint}); "
+                             "re-plan for this model with `qsync-lab plan`")
+        from qsync_lab.costs import op_work
+        from qsync_lab.policy import validate_plan
 
-            validate_plan(self.simulator_plan(), op_work(graph), cluster.device_kinds,
-                          cluster.catalog)
-        elif cluster is not None:
-            for kind, ops in self.precisions.items():
-                device = cluster.catalog.device(kind)
-                for fqn, p in ops.items():
-                    if not device.supports(p):
-                        raise QSyncError(f"plan for {kind}: op {fqn!r}: "
-                                         f"{kind} cannot run {p}; re-plan for this cluster")
+        validate_plan(self.precisions, op_work(graph), cluster.device_kinds, cluster.catalog)
 
     def to_dict(self) -> dict[str, Any]:
         """The versioned JSON document as plain Python objects."""
-        return {"_type": PLAN_TYPE, "_version": self.schema_version, "_data": {
-            "model_fingerprint": self.model_fingerprint,
-            "cluster": {"name": self.cluster_name, "source": self.cluster_source},
+        return {"_type": PLAN_TYPE, "_version": SCHEMA_VERSION, "_data": {
+            "model": {"name": self.model_name, "kwargs": _thawed(self.model_kwargs),
+                      "fingerprint": self.model_fingerprint},
+            "cluster": {"name": self.cluster_name,
+                        "sha256": self.cluster.fingerprint(),
+                        "definition": _thawed(self.cluster_definition)},
             "ranks": [{"rank": r.rank, "device": r.device, "batch_size": r.batch_size}
                       for r in self.ranks],
-            "precisions": self.simulator_plan(),
-            "gradient_compression": {k: dict(v) for k, v in self.gradient_compression.items()},
+            "precisions": {kind: {fqn: cfg.to_dict() for fqn, cfg in ops.items()}
+                           for kind, ops in self.precisions.items()},
+            "optimizer": self.optimizer,
+            "compression": _thawed(self.compression),
             "strategy": self.strategy,
-            "model": {"name": self.model_name, "kwargs": dict(self.model_kwargs)},
         }}
 
     def to_json(self) -> str:
@@ -200,39 +221,54 @@ class Plan:
 
     @classmethod
     def from_dict(cls, document: Any, *, origin: str = "plan") -> "Plan":
-        """Rebuild a plan from :meth:`to_dict`'s output (QSyncError if malformed)."""
+        """Rebuild a plan from :meth:`to_dict`'s output, or migrate a version-1 document.
+
+        Raises:
+            QSyncError: not a plan, a newer schema, or a malformed field, in one line.
+        """
         if not isinstance(document, dict) or document.get("_type") != PLAN_TYPE:
             found = document.get("_type") if isinstance(document, dict) else type(document)
             raise QSyncError(f"{origin} is not a qsync_lab plan (_type {found!r}, expected "
-                             f"{PLAN_TYPE!r}); write it with Plan.save")
+                             f"{PLAN_TYPE!r}); write it with `qsync-lab plan` or Plan.save")
         version = document.get("_version")
-        if not isinstance(version, int) or version < 1:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise QSyncError(f"{origin} has an invalid _version {version!r}; expected an integer "
-                             f">= 1")
+                             ">= 1")
         if version > SCHEMA_VERSION:
             raise QSyncError(f"{origin} has plan schema version {version}, newer than this "
                              f"qsync_lab's ({SCHEMA_VERSION}); upgrade qsync_lab")
         data = document.get("_data")
-        missing = [k for k in _DATA_KEYS if not isinstance(data, dict) or k not in data]
+        if not isinstance(data, dict):
+            raise QSyncError(f"{origin} lacks its _data table; write it with Plan.save")
+        if version == 1:
+            data = _migrated_v1(data, origin)
+        missing = [k for k in _DATA_KEYS if k not in data]
         if missing:
             raise QSyncError(f"{origin} lacks _data.{missing[0]}; write it with Plan.save")
         try:
-            ranks = tuple(RankPlan(int(r["rank"]), str(r["device"]), int(r["batch_size"]))
-                          for r in data["ranks"])
-            precisions = {str(kind): {str(fqn): Precision.parse(p) for fqn, p in ops.items()}
-                          for kind, ops in data["precisions"].items()}
-            compression = {str(k): dict(v) for k, v in data["gradient_compression"].items()}
-            cluster = data["cluster"]
-            model = data.get("model", {"name": "", "kwargs": {}})  # optional: older plans
-            return cls(str(data["model_fingerprint"]), str(cluster["name"]),
-                       str(cluster["source"]), ranks, _frozen(precisions), _frozen(compression),
-                       str(data["strategy"]), str(model["name"]),
-                       MappingProxyType(dict(model["kwargs"])), version)
+            model, cluster = data["model"], data["cluster"]
+            plan = cls(
+                model_fingerprint=str(model["fingerprint"]),
+                cluster_definition=_frozen_data(cluster["definition"]),
+                ranks=tuple(RankPlan(_integer(r["rank"]), str(r["device"]),
+                                     _integer(r["batch_size"])) for r in data["ranks"]),
+                precisions=_frozen({str(kind): {str(fqn): OpPrecision.parse(cfg)
+                                                for fqn, cfg in ops.items()}
+                                    for kind, ops in data["precisions"].items()}),
+                optimizer=str(data["optimizer"]),
+                compression=_frozen_data(dict(data["compression"])),
+                strategy=str(data["strategy"]), model_name=str(model.get("name", "")),
+                model_kwargs=_frozen_data(dict(model.get("kwargs", {}))))
+        except QSyncError as err:
+            raise QSyncError(f"{origin}: {err}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            if isinstance(err, QSyncError):
-                raise QSyncError(f"{origin}: {err}") from None
             raise QSyncError(f"{origin} is malformed ({type(err).__name__}: {err}); write it "
                              "with Plan.save") from None
+        expected = cluster.get("sha256")
+        if expected is not None and expected != plan.cluster.fingerprint():
+            raise QSyncError(f"{origin}: its cluster definition does not match its sha256 "
+                             "(the file was edited or damaged); re-plan")
+        return plan
 
     def save(self, path: "str | os.PathLike[str]") -> None:
         """Write the plan as JSON, atomically."""
@@ -241,7 +277,7 @@ class Plan:
     @classmethod
     def load(cls, path: "str | os.PathLike[str]", *, graph: OpGraph | None = None,
              cluster: Cluster | None = None) -> "Plan":
-        """Read a plan and check it against ``graph`` and ``cluster`` when given.
+        """Read a plan and check it against its cluster (or ``cluster``) and ``graph``.
 
         Raises:
             QSyncError: unreadable or malformed file, or see :meth:`validate`.
@@ -271,5 +307,60 @@ class Plan:
                              f"{cluster.name!r} does not have; re-plan for this cluster")
 
 
+def _migrated_v1(data: dict, origin: str) -> dict:
+    """A version-1 ``_data`` in version-2 form (the cluster read from its file or by name)."""
+    try:
+        cluster = data["cluster"]
+        source, name = Path(str(cluster["source"])), str(cluster["name"])
+        if source.is_file():
+            definition = load_cluster(source).definition
+        elif name in list_clusters():
+            definition = load_cluster(name).definition
+        else:
+            raise QSyncError(f"{origin} is a version-1 plan whose cluster file {source} is gone "
+                             f"and {name!r} is not a shipped cluster; re-plan")
+        model = data.get("model", {"name": "", "kwargs": {}})
+        migrated = {
+            "model": {**model, "fingerprint": data["model_fingerprint"]},
+            "cluster": {"name": name, "definition": definition},
+            "ranks": data["ranks"],
+            "precisions": data["precisions"],
+            "optimizer": _V1_OPTIMIZER,
+            "compression": data["gradient_compression"],
+            "strategy": data["strategy"],
+        }
+    except KeyError as err:
+        raise QSyncError(f"{origin} lacks _data.{err.args[0]}; write it with Plan.save") from None
+    warnings.warn(f"{origin} is a version-1 plan: read as version 2 with the cluster of "
+                  f"{cluster['source']}, default backward precisions and optimizer "
+                  f"{_V1_OPTIMIZER!r}; save it again to keep the version-2 form",
+                  PlanMigrationWarning, stacklevel=4)
+    return migrated
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
 def _frozen(mapping: Mapping[str, Mapping]) -> Mapping[str, Mapping]:
     return MappingProxyType({k: MappingProxyType(dict(v)) for k, v in mapping.items()})
+
+
+def _frozen_data(value: Any) -> Any:
+    """JSON-like data made read-only (mappings as mapping proxies, lists as tuples)."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): _frozen_data(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_frozen_data(v) for v in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    """The inverse of :func:`_frozen_data`: plain dicts and lists for JSON."""
+    if isinstance(value, Mapping):
+        return {k: _thawed(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thawed(v) for v in value]
+    return value

@@ -18,7 +18,6 @@ from qsync_lab.allocate.chain import ChainCosts, chain_costs
 from qsync_lab.allocate.choices import OpChoices, op_choices
 from qsync_lab.allocate.compare import STRATEGIES, compare_strategies, plan_summary
 from qsync_lab.allocate.constraints import Constraints
-from qsync_lab.allocate.evaluator import PlanEvaluator, Proposal
 from qsync_lab.allocate.exact import (AdditiveInstance, OptimalityGap, exact_plan,
                                       linearized_instance, optimality_gap)
 from qsync_lab.allocate.fastest import chain_viterbi, fastest_feasible_plan
@@ -28,7 +27,7 @@ from qsync_lab.allocate.recover import RecoveryStats, greedy_recover, recover_pl
 
 __all__ = [
     "STRATEGIES", "AdditiveInstance", "Allocation", "ChainCosts", "Constraints", "OpChoices",
-    "OptimalityGap", "PlanEvaluator", "Proposal", "RecoveryStats", "RiskFrontier", "allocate",
+    "OptimalityGap", "RecoveryStats", "RiskFrontier", "allocate",
     "allocate_detailed", "chain_costs", "chain_viterbi", "compare_strategies",
     "dynamic_batching", "exact_plan", "fastest_feasible_plan", "greedy_recover",
     "joint_batch_precision", "linearized_instance", "op_choices", "optimality_gap",

@@ -30,11 +30,11 @@ import pandas as pd
 
 from qsync_lab.allocate.choices import op_choices
 from qsync_lab.allocate.constraints import Constraints
-from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.qsync import (allocate_detailed, kinds_to_allocate, prepared_graph,
                                      target_iteration_us)
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import CostModel
+from qsync_lab.costs import DEFAULT_OPTIMIZER, CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan
@@ -50,7 +50,7 @@ _JOINT_STEPS = 6
 
 def uniform_low_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                           indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-                          optimizer: str = "sgd") -> Plan:
+                          optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
     """Every candidate of each kind that cannot keep up in its narrowest precision."""
     prepared = prepared_graph(graph)
     constraints = constraints or Constraints()
@@ -62,22 +62,23 @@ def uniform_low_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
         choices = op_choices(prepared.work, indicator, evaluator.devices[kind])
         precisions[kind] = {prepared.work.names[op]: min(ladder, key=lambda p: p.bits)
                             for op, ladder in zip(choices.ops, choices.ladders)}
-    return Plan.build(prepared.graph, cluster, precisions, strategy="uniform-low")
+    return Plan.build(prepared.graph, cluster, precisions, strategy="uniform-low",
+                      optimizer=optimizer)
 
 
 def dynamic_batching(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                      indicator: pd.DataFrame | None, constraints: Constraints | None = None, *,
-                     optimizer: str = "sgd") -> Plan:
+                     optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
     """All fp32, per-rank batch proportional to fp32 speed (``indicator`` is unused)."""
     prepared = prepared_graph(graph)
     batches = balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer)
     return Plan.build(prepared.graph, with_batch_sizes(cluster, batches), {},
-                      strategy="dynamic-batching")
+                      strategy="dynamic-batching", optimizer=optimizer)
 
 
 def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                           indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-                          optimizer: str = "sgd") -> Plan:
+                          optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
     """The least-risk plan over batch splits from the cluster's to dynamic batching's.
 
     The throughput floor is fixed on ``cluster`` as given (the default pace: its fastest
@@ -114,7 +115,7 @@ def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
 
 
 def balanced_batch_sizes(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, *,
-                         optimizer: str = "sgd") -> tuple[int, ...]:
+                         optimizer: str = DEFAULT_OPTIMIZER) -> tuple[int, ...]:
     """Per-rank batch sizes proportional to each rank's fp32 samples per second, summing to
     the cluster's global batch (speeds re-measured once at the new sizes)."""
     batches = tuple(r.batch_size for r in cluster.ranks)

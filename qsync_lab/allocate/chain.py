@@ -16,7 +16,7 @@ memory (:mod:`qsync_lab.allocate.fastest`) and ranking recovery moves
 
 Casts through residual branches and the precision inherited by the activations between
 candidates are left out, so the estimates only rank choices; every accepted plan is
-checked by :class:`~qsync_lab.allocate.PlanEvaluator`.
+checked by :class:`~qsync_lab.simulate.PlanEvaluator`.
 
 Example::
 

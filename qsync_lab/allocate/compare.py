@@ -26,10 +26,10 @@ import pandas as pd
 from qsync_lab.allocate.constraints import Constraints
 from qsync_lab.allocate.baselines import (dynamic_batching, joint_batch_precision,
                                           uniform_low_precision)
-from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.qsync import allocate, prepared_graph, target_iteration_us
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import CostModel
+from qsync_lab.costs import DEFAULT_OPTIMIZER, CostModel
 from qsync_lab.devices import BYTES_PER_GIB
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan
@@ -41,8 +41,10 @@ __all__ = ["STRATEGIES", "compare_strategies", "plan_risk", "plan_summary"]
 Strategy = Callable[..., Plan]
 
 
-def _all_fp32(graph, cluster, costs, indicator, constraints=None, *, optimizer="sgd") -> Plan:
-    return Plan.build(prepared_graph(graph).graph, cluster, {}, strategy="fp32")
+def _all_fp32(graph, cluster, costs, indicator, constraints=None, *,
+              optimizer=DEFAULT_OPTIMIZER) -> Plan:
+    return Plan.build(prepared_graph(graph).graph, cluster, {}, strategy="fp32",
+                      optimizer=optimizer)
 
 
 #: name -> allocator with :func:`~qsync_lab.allocate.allocate`'s interface
@@ -56,13 +58,13 @@ STRATEGIES: Mapping[str, Strategy] = {
 
 
 def plan_summary(plan: Plan, graph: "OpGraph | PreparedGraph", cluster: Cluster,
-                 costs: CostModel, indicator: pd.DataFrame | None, *,
-                 optimizer: str = "sgd") -> dict[str, object]:
+                 costs: CostModel, indicator: pd.DataFrame | None) -> dict[str, object]:
     """One row: predicted throughput and iteration time, low-precision ops, summed indicator,
-    peak memory and batch per rank per device kind (``kind`` in the column names)."""
+    peak memory and batch per rank per device kind (``kind`` in the column names), with the
+    plan's optimizer."""
     prepared = prepared_graph(graph)
     planned = plan.apply_to(cluster)
-    sim = simulate(prepared, plan.simulator_plan(), planned, costs, optimizer=optimizer)
+    sim = simulate(prepared, plan, cluster, costs)
     row: dict[str, object] = {"throughput_samples_per_s": sim.throughput_samples_per_s,
                               "iteration_ms": sim.iteration_us / 1e3}
     for kind, count in plan.low_precision_ops().items():
@@ -70,7 +72,7 @@ def plan_summary(plan: Plan, graph: "OpGraph | PreparedGraph", cluster: Cluster,
     row["indicator_sum"] = plan_risk(plan, indicator)
     for kind in cluster.device_kinds:
         ranks = [r.rank for r in planned.ranks if r.device == kind]
-        row[f"peak_memory_gib[{kind}]"] = float(sim.peak_memory_bytes.iloc[ranks].max()
+        row[f"tensor_peak_gib[{kind}]"] = float(sim.tensor_peak_bytes.iloc[ranks].max()
                                                 / BYTES_PER_GIB)
         batches = sorted({planned.ranks[r].batch_size for r in ranks})
         row[f"batch[{kind}]"] = "/".join(str(b) for b in batches)
@@ -83,16 +85,16 @@ def plan_risk(plan: Plan, indicator: pd.DataFrame | None) -> float:
         return 0.0
     total = 0.0
     for ops in plan.precisions.values():
-        for fqn, p in ops.items():
-            if p is not Precision.FP32:
-                total += float(indicator.at[fqn, (str(p), "omega")])
+        for fqn, cfg in ops.items():
+            if cfg.forward is not Precision.FP32:
+                total += float(indicator.at[fqn, (str(cfg.forward), "omega")])
     return total
 
 
 def compare_strategies(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                        indicator: pd.DataFrame, constraints: Constraints | None = None, *,
                        strategies: Mapping[str, Strategy] | None = None,
-                       optimizer: str = "sgd") -> pd.DataFrame:
+                       optimizer: str = DEFAULT_OPTIMIZER) -> pd.DataFrame:
     """Run each strategy and tabulate its plan (one row per strategy, indexed by name).
 
     Columns: :func:`plan_summary`'s, plus ``meets_target`` (throughput at least the
@@ -108,7 +110,7 @@ def compare_strategies(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs
         start = time.perf_counter()
         plan = strategy(prepared, cluster, costs, indicator, constraints, optimizer=optimizer)
         seconds = time.perf_counter() - start
-        row = plan_summary(plan, prepared, cluster, costs, indicator, optimizer=optimizer)
+        row = plan_summary(plan, prepared, cluster, costs, indicator)
         row["meets_target"] = row["throughput_samples_per_s"] >= floor * (1 - 1e-9)
         row["allocation_s"] = seconds
         rows[name] = row

@@ -33,7 +33,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from qsync_lab.allocate.chain import ChainCosts
 from qsync_lab.allocate.choices import OpChoices
-from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.recover import recover_instance
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
@@ -155,7 +155,7 @@ class AdditiveInstance:
 class _Proposal:
     plan: Mapping[int, Precision]
     iteration_us: float
-    peak_memory_bytes: float
+    tensor_peak_bytes: float
 
 
 class _AdditiveEvaluator:
@@ -248,12 +248,12 @@ def linearized_instance(evaluator: PlanEvaluator, kind: str, choices: OpChoices,
         for p in ladder:
             trial = evaluator.propose(kind, {op: p})
             times[p] = compute_us(trial) - compute_us(base)
-            memory[p] = trial.peak_memory_bytes - base.peak_memory_bytes
+            memory[p] = trial.tensor_peak_bytes - base.tensor_peak_bytes
         delta_us.append(MappingProxyType(times))
         delta_bytes.append(MappingProxyType(memory))
     pace_us = min(evaluator.propose(name, {}).timelines[0].backward_end_us
                   for name in evaluator.devices if name != kind)
     positions = tuple(range(len(choices.ops)))
     local = OpChoices(choices.device, positions, choices.ladders, choices.omega)
-    return AdditiveInstance(local, compute_us(base), base.peak_memory_bytes, tuple(delta_us),
+    return AdditiveInstance(local, compute_us(base), base.tensor_peak_bytes, tuple(delta_us),
                             tuple(delta_bytes), pace_us, budget_bytes)

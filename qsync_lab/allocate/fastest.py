@@ -19,8 +19,8 @@ Example::
     >>> from qsync_lab.cluster import load_cluster
     >>> from qsync_lab.costs import CostModel
     >>> from qsync_lab.graph import trace_graph
-    >>> from qsync_lab.simulate import prepare_graph
-    >>> from qsync_lab.allocate import PlanEvaluator, chain_costs, op_choices
+    >>> from qsync_lab.simulate import PlanEvaluator, prepare_graph
+    >>> from qsync_lab.allocate import chain_costs, op_choices
     >>> graph = trace_graph(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(),
     ...                                   nn.Linear(4096, 1024)), torch.randn(4, 64, 1024))
     >>> ev = PlanEvaluator(prepare_graph(graph), load_cluster("v100-t4-small"), CostModel())
@@ -40,7 +40,7 @@ import numpy as np
 
 from qsync_lab.allocate.chain import ChainCosts
 from qsync_lab.allocate.choices import OpChoices
-from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.devices import BYTES_PER_GIB
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision

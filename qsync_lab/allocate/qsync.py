@@ -13,7 +13,7 @@
 4. The recovery (:func:`~qsync_lab.allocate.recover_plans`) raises ops to higher
    precision, accepting a plan only while the predicted iteration time meets the target
    and memory fits; every trial re-simulates only the changed kind
-   (:class:`~qsync_lab.allocate.PlanEvaluator`). It bisects the least-risk frontiers of
+   (:class:`~qsync_lab.simulate.PlanEvaluator`). It bisects the least-risk frontiers of
    the chain estimates (a knapsack over time, one over memory) for their best plan that
    the simulator accepts, then runs QSync's greedy (largest indicator reduction per added
    microsecond first) from it and from the start, and keeps the plan of less risk (on
@@ -45,11 +45,11 @@ import pandas as pd
 from qsync_lab.allocate.chain import ChainCosts, chain_costs
 from qsync_lab.allocate.choices import OpChoices, op_choices
 from qsync_lab.allocate.constraints import Constraints
-from qsync_lab.allocate.evaluator import PlanEvaluator
+from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.fastest import fastest_feasible_plan
 from qsync_lab.allocate.recover import TIME_RTOL, RecoveryStats, recover_plans
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import CostModel
+from qsync_lab.costs import DEFAULT_OPTIMIZER, CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan
@@ -107,7 +107,7 @@ def kinds_to_allocate(evaluator: PlanEvaluator, target_us: float,
 
 def allocate(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
              indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-             optimizer: str = "sgd") -> Plan:
+             optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
     """The quantization-minimized plan (see the module docstring).
 
     Args:
@@ -130,7 +130,7 @@ def allocate(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostMode
 
 def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                       indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-                      optimizer: str = "sgd", strategy: str = "qsync") -> Allocation:
+                      optimizer: str = DEFAULT_OPTIMIZER, strategy: str = "qsync") -> Allocation:
     """:func:`allocate` with the predicted iteration time, run time and greedy statistics."""
     prepared = prepared_graph(graph)
     constraints = constraints or Constraints()
@@ -166,7 +166,8 @@ def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs:
     names = prepared.work.names
     precisions = {kind: {names[op]: p for op, p in zip(choices[kind].ops, plans[kind])}
                   for kind in choices}
-    plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy)
+    plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy,
+                      optimizer=optimizer)
     risk = {kind: choices[kind].risk(dict(zip(choices[kind].ops, plans[kind])))
             for kind in choices}
     return Allocation(plan, evaluator.iteration_us, target_us, seconds, stats, risk)

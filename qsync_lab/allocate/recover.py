@@ -20,8 +20,8 @@ by the evaluator (a trial is a proposal: a rejected one leaves nothing behind).
    accepted op offers its next move; a rejected one is dropped, as in QSync.
 
 Both work on any evaluator with ``propose(kind, {op: precision})`` returning an object
-with ``iteration_us`` and ``peak_memory_bytes``, and ``accept(proposal)``: the
-simulator-backed :class:`~qsync_lab.allocate.PlanEvaluator` or the additive instances of
+with ``iteration_us`` and ``tensor_peak_bytes``, and ``accept(proposal)``: the
+simulator-backed :class:`~qsync_lab.simulate.PlanEvaluator` or the additive instances of
 :mod:`qsync_lab.allocate.exact`.
 
 Example::
@@ -205,4 +205,4 @@ def _install(evaluator, choices: Mapping[str, OpChoices],
 
 def _fits(proposal, target_us: float, budget_bytes: float) -> bool:
     return (proposal.iteration_us <= target_us * (1 + TIME_RTOL)
-            and proposal.peak_memory_bytes <= budget_bytes)
+            and proposal.tensor_peak_bytes <= budget_bytes)

@@ -15,13 +15,14 @@ Example::
 
 from qsync_lab.costs.calibrate import CastFit, calibrate_efficiency, fit_cast_costs
 from qsync_lab.costs.comm import ring_allreduce_us, ring_wire_bytes, slowest_link
-from qsync_lab.costs.model import OPTIMIZER_STATES, Cost, CostModel, optimizer_state_count
+from qsync_lab.costs.model import (DEFAULT_OPTIMIZER, OPTIMIZER_STATES, Cost, CostModel,
+                                   optimizer_state_count)
 from qsync_lab.costs.profiles import PROFILE_COLUMNS, ProfileTable, read_profile, write_profile
 from qsync_lab.costs.roofline import DEFAULT_EFFICIENCY, Roofline, default_roofline
 from qsync_lab.costs.work import PHASES, OpWork, batch_scales, op_work, phase_work, shape_key
 
 __all__ = [
-    "DEFAULT_EFFICIENCY", "OPTIMIZER_STATES", "PHASES", "PROFILE_COLUMNS", "CastFit", "Cost",
+    "DEFAULT_EFFICIENCY", "DEFAULT_OPTIMIZER", "OPTIMIZER_STATES", "PHASES", "PROFILE_COLUMNS", "CastFit", "Cost",
     "CostModel", "OpWork", "ProfileTable", "Roofline", "batch_scales", "calibrate_efficiency",
     "default_roofline", "fit_cast_costs", "op_work", "optimizer_state_count", "phase_work",
     "read_profile", "ring_allreduce_us", "ring_wire_bytes", "shape_key", "slowest_link",

@@ -45,11 +45,13 @@ from qsync_lab.precision import Precision
 #: suffix of a link's measured DDP buffer broadcast in ``link_fits``
 BROADCAST_SUFFIX = "-ddp-broadcast"
 
-__all__ = ["OPTIMIZER_STATES", "Cost", "CostModel", "optimizer_state_count"]
+__all__ = ["DEFAULT_OPTIMIZER", "OPTIMIZER_STATES", "Cost", "CostModel", "optimizer_state_count"]
 
 #: optimizer -> fp32 state tensors per parameter (momentum buffer; Adam's two moments)
 OPTIMIZER_STATES: Mapping[str, int] = MappingProxyType(
     {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2})
+#: the optimizer a run trains with unless told otherwise (``python -m qsync_lab.runtime``)
+DEFAULT_OPTIMIZER = "sgd_momentum"
 _CAST_KIND = "cast"
 #: profile metadata keys (and CostModel fields) of the step-overhead fit
 _OVERHEAD_KEYS = ("step_overhead_us", "event_overhead_us")

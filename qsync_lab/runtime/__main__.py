@@ -22,9 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", help="bundled task: digits, mnist1d, tokens, synthetic "
                         "(default: the model's)")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--optimizer", default="sgd", help="sgd (with --momentum) or adamw")
+    parser.add_argument("--optimizer", choices=["sgd", "sgd_momentum", "adam", "adamw"],
+                        help="default: the plan's (its memory prediction counts it)")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--momentum", type=float, default=0.9, help="sgd_momentum's (0.9)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--resume", action="store_true",

@@ -46,9 +46,9 @@ def emulation_view(cluster: Cluster, costs: CostModel) -> tuple[Cluster, CostMod
     return dataclasses.replace(cluster, catalog=catalog), costs
 
 
-def predict_plan(plan: Plan, graph: OpGraph, cluster: Cluster, costs: CostModel, *,
-                 optimizer: str = "sgd_momentum") -> SimResult:
-    """The simulated iteration of ``plan`` on ``cluster`` (the plan's batch sizes), emulated
-    kinds costed as their host."""
-    cluster, costs = emulation_view(plan.apply_to(cluster), costs)
-    return simulate(graph, plan.simulator_plan(), cluster, costs, optimizer=optimizer)
+def predict_plan(plan: Plan, graph: OpGraph, costs: CostModel, *,
+                 optimizer: str | None = None) -> SimResult:
+    """The simulated iteration of ``plan`` on its cluster, emulated kinds costed as their
+    host (``optimizer``: the run's, default the plan's)."""
+    cluster, costs = emulation_view(plan.cluster, costs)
+    return simulate(graph, plan, cluster, costs, optimizer=optimizer)

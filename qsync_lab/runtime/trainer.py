@@ -12,14 +12,15 @@
    share (:func:`~qsync_lab.runtime.sampler.loss_weight`), so DDP's average is the
    gradient of the global batch whatever the per-rank batch sizes;
 4. rank 0 appends one line per step to ``metrics.jsonl`` (every rank's step time and
-   peak memory so far — CUDA's allocated peak, or the CPU process's peak RSS — the global
-   loss and throughput) and writes a checkpoint every
+   process peak RSS so far, the global loss and throughput) and writes a checkpoint every
    ``checkpoint_every`` steps (:mod:`~qsync_lab.runtime.checkpoint`); with ``resume`` a
    run continues from the run folder's checkpoint, exactly (same data, RNG states and
    rounding streams), which is what a torchrun restart does after a worker dies;
 5. at the end rank 0 evaluates test accuracy and writes ``summary.json``: measured median
-   step time and peak tensor memory beside the simulator's prediction for the same plan
-   (emulated kinds costed from the locally measured profile), and ``final.pt``.
+   step time (after ``warmup_steps``, clipped so that at least one step is timed; the
+   summary says how many were left out) and peak tensor memory beside the simulator's
+   prediction for the same plan and optimizer (emulated kinds costed from the locally
+   measured profile), and ``final.pt``.
 
 The rank's process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as the
 profiler's processes do: steady steps take no page faults, in the run and in the profile.
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from qsync_lab.cluster import Cluster, list_clusters, load_cluster
+from qsync_lab.costs import OPTIMIZER_STATES
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
@@ -63,8 +64,6 @@ __all__ = ["DEVICE_KIND_ENV", "TrainConfig", "train"]
 DEVICE_KIND_ENV = "QSYNC_DEVICE_KIND"
 MEMORY_STEPS = 2
 MIN_WARMUP_STEPS = 3
-#: runtime optimizer -> the simulator's name for it
-OPTIMIZERS = {"sgd": "sgd_momentum", "adamw": "adamw"}
 CHECKPOINT = "checkpoint.pt"
 _MIB = 2**20
 
@@ -80,9 +79,10 @@ class TrainConfig:
         model_kwargs: its keyword arguments (default: the plan's).
         data: bundled task (default: the model's, :func:`~qsync_lab.runtime.tasks.default_task`).
         steps: global training steps.
-        optimizer: ``sgd`` (with ``momentum``) or ``adamw`` (transformers train far
-            better with it).
-        lr, momentum: the learning rate; SGD's momentum.
+        optimizer: ``sgd``, ``sgd_momentum`` (with ``momentum``), ``adam`` or ``adamw``
+            (transformers train far better with it); None: the plan's, which its memory
+            prediction counts.
+        lr, momentum: the learning rate; ``sgd_momentum``'s momentum.
         seed: model initialisation, data order and split.
         checkpoint_every: steps between checkpoints (0: none).
         resume: continue from ``run_dir``'s checkpoint if there is one.
@@ -99,7 +99,7 @@ class TrainConfig:
     model_kwargs: dict[str, Any] | None = None
     data: str | None = None
     steps: int = 100
-    optimizer: str = "sgd"
+    optimizer: str | None = None
     lr: float = 0.05
     momentum: float = 0.9
     seed: int = 0
@@ -110,9 +110,9 @@ class TrainConfig:
     profiles: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZER_STATES:
             raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
-                             f"{', '.join(OPTIMIZERS)}")
+                             f"{', '.join(OPTIMIZER_STATES)}")
         for name in ("steps", "checkpoint_every", "warmup_steps"):
             value = getattr(self, name)
             if name == "warmup_steps" and value is None:
@@ -120,17 +120,6 @@ class TrainConfig:
             if not isinstance(value, int) or value < (1 if name == "steps" else 0):
                 raise QSyncError(f"{name} must be a {'positive' if name == 'steps' else 'non-negative'}"
                                  f" integer, got {value!r}")
-
-
-def plan_cluster(plan: Plan) -> Cluster:
-    """The cluster a plan was made for: its file if it still exists, else the shipped
-    cluster of that name."""
-    if Path(plan.cluster_source).is_file():
-        return load_cluster(Path(plan.cluster_source))
-    if plan.cluster_name in list_clusters():
-        return load_cluster(plan.cluster_name)
-    raise QSyncError(f"the plan's cluster file {plan.cluster_source} is gone and "
-                     f"{plan.cluster_name!r} is not a shipped cluster; re-plan")
 
 
 def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | None:
@@ -178,12 +167,12 @@ class _Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self.plan = Plan.load(config.plan)
-        cluster = plan_cluster(self.plan)
-        if cluster.world_size != self.world or self.plan.world_size != self.world:
-            raise QSyncError(f"the plan's cluster {cluster.name!r} has {self.plan.world_size} "
-                             f"ranks but torchrun started {self.world}; use "
-                             f"--nproc-per-node={self.plan.world_size} (or re-plan)")
-        self.cluster = self.plan.apply_to(cluster)
+        self.cluster = self.plan.cluster
+        if self.plan.world_size != self.world:
+            raise QSyncError(f"the plan's cluster {self.cluster.name!r} has "
+                             f"{self.plan.world_size} ranks but torchrun started {self.world}; "
+                             f"use --nproc-per-node={self.plan.world_size} (or re-plan)")
+        self.optimizer_name = config.optimizer or self.plan.optimizer
         self.kind = os.environ.get(DEVICE_KIND_ENV) or self.plan.ranks[self.rank].device
         if self.kind not in self.plan.precisions:
             raise QSyncError(f"{DEVICE_KIND_ENV}={self.kind!r} is not a device kind of the plan "
@@ -215,11 +204,8 @@ class _Run:
         self.graph = graph
         model = model.to(self.device)
         self.ddp = DistributedDataParallel(model, device_ids=[self.device] if self.cuda else None)
-        if self.config.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=self.config.lr)
-        else:
-            self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=self.config.lr,
-                                             momentum=self.config.momentum)
+        self.optimizer = make_optimizer(self.optimizer_name, self.ddp.parameters(),
+                                        lr=self.config.lr, momentum=self.config.momentum)
 
     def _restore(self) -> int:
         path = self.run_dir / CHECKPOINT
@@ -294,7 +280,7 @@ class _Run:
         return self._finish(step_times, memory.peak_bytes, start)
 
     def _log(self, log: MetricsLog | None, step: int, step_ms: float, loss: float) -> None:
-        mine = torch.tensor([step_ms, loss, float(self._peak_memory_so_far())],
+        mine = torch.tensor([step_ms, loss, float(_process_peak_rss_bytes())],
                             dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)  # on the rank's device: NCCL gathers CUDA tensors
@@ -307,30 +293,25 @@ class _Run:
         log.write({"step": step, "loss": global_loss,
                    "step_ms": [round(float(t), 4) for t in ranks[:, 0]],
                    "throughput_samples_per_s": sum(self.batch_sizes) / (slowest_ms / 1e3),
-                   "peak_memory_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
-                   "peak_memory_kind": "cuda_max_allocated" if self.cuda else "cpu_max_rss",
+                   "process_peak_rss_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
-
-    def _peak_memory_so_far(self) -> int:
-        """Bytes: CUDA's peak allocated tensor memory, or the CPU process's peak RSS."""
-        if self.cuda:
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
     def _write_rank_file(self) -> None:
         atomic_write_text(self.run_dir / "ranks" / f"rank{self.rank}.json",
                           f'{{"pid": {os.getpid()}, "kind": "{self.kind}", "attempt": '
                           f'{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}}}\n')
 
-    def _finish(self, step_times: list[float], memory_peak: int, start: int) -> dict | None:
+    def _finish(self, step_times: list[float], tensor_peak: int, start: int) -> dict | None:
         warmup = self.config.warmup_steps
         warmup = max(MIN_WARMUP_STEPS, len(step_times) // 5) if warmup is None else warmup
-        timed = step_times[warmup:] or step_times
+        self.warmup_used = min(warmup, len(step_times) - 1)  # at least one step is timed
+        timed = step_times[self.warmup_used:]
         digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                          for p in self.ddp.module.parameters())).hexdigest()[:16]
         mine = {"rank": self.rank, "kind": self.kind, "batch_size": self.batch_sizes[self.rank],
                 "applied_plan": self.applied, "median_step_ms": statistics.median(timed),
-                "peak_memory_bytes": memory_peak, "params_sha256": digest}
+                "tensor_peak_bytes": tensor_peak,
+                "process_peak_rss_bytes": _process_peak_rss_bytes(), "params_sha256": digest}
         gathered = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if self.rank != 0:
@@ -349,13 +330,12 @@ class _Run:
         accuracy, test_loss = self._evaluate()
         profiles = self.config.profiles or ((str(data_file("profiles", "cpu.csv")),)
                                             if not self.cuda else ())
-        predicted = predict_plan(self.plan, self.graph, self.cluster,
-                                 load_cost_model(*profiles),
-                                 optimizer=OPTIMIZERS[self.config.optimizer])
+        predicted = predict_plan(self.plan, self.graph, load_cost_model(*profiles),
+                                 optimizer=self.optimizer_name)
         measured_ms = max(r["median_step_ms"] for r in ranks)
         predicted_ms = predicted.iteration_us / 1e3
-        measured_mem = max(r["peak_memory_bytes"] for r in ranks)
-        predicted_mem = float(predicted.peak_memory_bytes.max())
+        measured_mem = max(r["tensor_peak_bytes"] for r in ranks)
+        predicted_mem = float(predicted.tensor_peak_bytes.max())
         return {
             "model": self.task.model_name or "user", "task": self.task.name,
             "cluster": self.cluster.name, "world_size": self.world,
@@ -363,9 +343,12 @@ class _Run:
             "test_accuracy": accuracy, "test_loss": test_loss,
             "measured_step_ms": measured_ms, "predicted_step_ms": predicted_ms,
             "step_error_pct": 100 * (predicted_ms - measured_ms) / measured_ms,
-            "measured_peak_memory_mib": measured_mem / _MIB,
-            "predicted_peak_memory_mib": predicted_mem / _MIB,
-            "memory_error_pct": 100 * (predicted_mem - measured_mem) / measured_mem,
+            "measured_tensor_peak_mib": measured_mem / _MIB,
+            "predicted_tensor_peak_mib": predicted_mem / _MIB,
+            "tensor_peak_error_pct": 100 * (predicted_mem - measured_mem) / measured_mem,
+            "optimizer": self.optimizer_name,
+            "warmup_steps": self.warmup_used,
+            "timed_steps": self.config.steps - start - self.warmup_used,
             "prediction_costs": ", ".join(Path(p).name for p in profiles) or "catalog roofline",
             "ranks": ranks,
         }
@@ -380,6 +363,32 @@ class _Run:
         model.train()
         accuracy = float((output.argmax(-1) == target).float().mean())
         return accuracy, float(self.loss_fn(output, target))
+
+
+def _process_peak_rss_bytes() -> int:
+    """The process's peak resident set size (all memory, not only tensors), in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def make_optimizer(name: str, parameters, *, lr: float, momentum: float = 0.9):
+    """The torch optimizer called ``name`` (one of :data:`~qsync_lab.costs.OPTIMIZER_STATES`).
+
+    Example::
+
+        >>> import torch
+        >>> make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(2))], lr=0.1).defaults["momentum"]
+        0
+    """
+    parameters = list(parameters)
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(parameters, lr=lr, momentum=momentum)
+    if name == "adam":
+        return torch.optim.Adam(parameters, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr)
+    raise QSyncError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
 
 
 def _progress(rank: int, start: int, steps: int):

@@ -18,11 +18,13 @@ from qsync_lab.simulate.memory import MEMORY_COMPONENTS, memory_breakdown
 from qsync_lab.simulate.prepare import PreparedGraph, prepare_graph
 from qsync_lab.simulate.result import STREAMS, SimResult
 from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
-from qsync_lab.simulate.simulator import ddp_work, simulate, sync_costs
+from qsync_lab.simulate.evaluator import PlanEvaluator, Proposal
+from qsync_lab.simulate.simulator import render, simulate
 from qsync_lab.simulate.sync import replay_allreduces, shares_cores
 
 __all__ = [
-    "EVENT_COLUMNS", "MEMORY_COMPONENTS", "STREAMS", "ComputeTimeline", "PreparedGraph",
-    "SimResult", "StreamEvents", "compute_timeline", "ddp_work", "memory_breakdown",
-    "prepare_graph", "replay_allreduces", "shares_cores", "simulate", "sync_costs",
+    "EVENT_COLUMNS", "MEMORY_COMPONENTS", "STREAMS", "ComputeTimeline", "PlanEvaluator",
+    "PreparedGraph", "Proposal", "SimResult", "StreamEvents", "compute_timeline",
+    "memory_breakdown", "prepare_graph", "render", "replay_allreduces", "shares_cores",
+    "simulate",
 ]

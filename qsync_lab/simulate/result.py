@@ -21,7 +21,7 @@ Example::
     >>> graph = trace_graph(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(2, 8))
     >>> sim = simulate(graph, {}, load_cluster("local-hybrid"), CostModel())
     >>> sim.rank_summary().columns.tolist()
-    ['device', 'batch_size', 'busy_us', 'idle_us', 'peak_memory_gib', 'wire_mib']
+    ['device', 'batch_size', 'busy_us', 'idle_us', 'tensor_peak_gib', 'wire_mib']
     >>> trace = sim.to_perfetto()
     >>> trace["displayTimeUnit"], sorted({e["ph"] for e in trace["traceEvents"]})
     ('ms', ['M', 'X'])
@@ -53,7 +53,7 @@ class SimResult:
     Attributes:
         iteration_us: time from the first forward op to the last optimizer step.
         idle_us: per rank, the time its compute stream waits (iteration minus busy time).
-        peak_memory_bytes: per rank, the sum of ``memory_breakdown``'s components.
+        tensor_peak_bytes: per rank, the sum of ``memory_breakdown``'s components.
         memory_breakdown: per rank (rows), bytes per memory component (columns).
         wire_bytes: per rank, bytes it sends per iteration (ring allreduce).
         throughput_samples_per_s: global batch / iteration time.
@@ -66,7 +66,7 @@ class SimResult:
 
     iteration_us: float
     idle_us: pd.Series
-    peak_memory_bytes: pd.Series
+    tensor_peak_bytes: pd.Series
     memory_breakdown: pd.DataFrame
     wire_bytes: pd.Series
     throughput_samples_per_s: float
@@ -91,13 +91,13 @@ class SimResult:
         return self._frame(np.array([rank]))
 
     def rank_summary(self) -> pd.DataFrame:
-        """One row per rank: device, batch_size, busy_us, idle_us, peak_memory_gib,
+        """One row per rank: device, batch_size, busy_us, idle_us, tensor_peak_gib,
         wire_mib."""
         busy = np.array([s.dur_us.sum() for s in self.compute])[self.class_of_rank]
         return pd.DataFrame({
             "device": self.rank_devices, "batch_size": self.rank_batch_sizes,
             "busy_us": busy, "idle_us": self.idle_us.to_numpy(),
-            "peak_memory_gib": self.peak_memory_bytes.to_numpy() / 2**30,
+            "tensor_peak_gib": self.tensor_peak_bytes.to_numpy() / 2**30,
             "wire_mib": self.wire_bytes.to_numpy() / 2**20,
         }, index=pd.Index(range(self.world_size), name="rank"))
 

@@ -18,8 +18,10 @@ Per rank there is a compute stream and a communication stream:
 
 Ranks with the same device kind and batch size share one compute timeline (the plan is
 per device kind), so the cost grows with the number of such classes plus a linear pass
-over the ranks. To simulate many plans of one model, pass :func:`prepare_graph`'s result
-instead of the graph.
+over the ranks. The timelines, the replay and the memory come from a
+:class:`~qsync_lab.simulate.PlanEvaluator` (the one evaluation path, which the allocator
+uses too); this module renders its state as events. To simulate many plans of one model,
+pass :func:`prepare_graph`'s result instead of the graph.
 
 Example::
 
@@ -40,82 +42,74 @@ import numpy as np
 import pandas as pd
 
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import Cost, CostModel, ring_wire_bytes
-from qsync_lab.devices import LinkSpec
+from qsync_lab.costs import DEFAULT_OPTIMIZER, Cost, CostModel, ring_wire_bytes
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
+from qsync_lab.plan import Plan
+from qsync_lab.policy import KindPlan
+from qsync_lab.simulate.evaluator import PlanEvaluator
 from qsync_lab.simulate.events import StreamEvents
-from qsync_lab.simulate.memory import MEMORY_COMPONENTS, memory_breakdown
-from qsync_lab.policy import KindPlan, resolve_precisions, validate_plan
+from qsync_lab.simulate.memory import MEMORY_COMPONENTS
 from qsync_lab.simulate.prepare import PreparedGraph, prepare_graph
 from qsync_lab.simulate.result import SimResult
-from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
-from qsync_lab.simulate.sync import (AllreduceReplay, DdpWork, copy_time_us, replay_allreduces,
-                                     shares_cores)
+from qsync_lab.simulate.schedule import ComputeTimeline
+from qsync_lab.simulate.sync import AllreduceReplay
 
-__all__ = ["ddp_work", "simulate", "sync_costs"]
+__all__ = ["plan_parts", "render", "simulate"]
 
 _US_PER_S = 1e6
 
 
-def simulate(graph: "OpGraph | PreparedGraph", plan: Mapping[str, KindPlan], cluster: Cluster,
-             costs: CostModel, *, optimizer: str = "sgd",
-             bucket_cap_mb: float | None = None) -> SimResult:
+def simulate(graph: "OpGraph | PreparedGraph", plan: "Plan | Mapping[str, KindPlan]",
+             cluster: Cluster | None = None, costs: CostModel | None = None, *,
+             optimizer: str | None = None, bucket_cap_mb: float | None = None) -> SimResult:
     """Simulate one training iteration (see the module docstring).
 
     Args:
         graph: the model's :class:`~qsync_lab.graph.OpGraph` (traced at any batch size;
             per-rank batch sizes come from ``cluster``), or :func:`prepare_graph`'s result
             for it when simulating many plans of one model.
-        plan: device kind -> {op FQN -> precision}; ops it leaves out follow
-            :mod:`qsync_lab.simulate.policy` (fp32 for plannable kinds).
-        cluster: the ranks, their devices and batch sizes, and the links.
-        costs: the cost model.
-        optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``.
+        plan: a :class:`~qsync_lab.plan.Plan` (its batch sizes and optimizer apply), or
+            device kind -> {op FQN -> precision spec}; ops it leaves out follow the policy
+            (:mod:`qsync_lab.policy`: fp32 for plannable kinds).
+        cluster: the ranks, their devices and batch sizes, and the links (default: the
+            plan's own cluster).
+        costs: the cost model (default: :class:`CostModel`'s roofline).
+        optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw`` (default: the plan's,
+            else :data:`~qsync_lab.costs.DEFAULT_OPTIMIZER`).
         bucket_cap_mb: DDP's ``bucket_cap_mb`` (None: DDP's default); for a prepared graph
             leave it None (the buckets are already built).
 
     Raises:
         QSyncError: an invalid plan or optimizer, in one line.
     """
+    plan, cluster, optimizer = plan_parts(plan, cluster, optimizer)
+    costs = costs if costs is not None else CostModel()
     prepared = _prepared(graph, bucket_cap_mb)
-    work = prepared.work
-    kinds = validate_plan(plan, work, cluster.device_kinds, cluster.catalog)
-    devices = {name: cluster.catalog.device(name) for name in cluster.device_kinds}
-    classes = sorted({(r.device, r.batch_size) for r in cluster.ranks},
-                     key=lambda c: (cluster.device_kinds.index(c[0]), c[1]))
-    assignments = {name: resolve_precisions(work, planned, devices[name])
-                   for name, planned in kinds.items()}
-    ddp = ddp_work(prepared, cluster, costs)
-    timelines = [compute_timeline(work, assignments[name], costs, devices[name],
-                                  batch_size=batch, ddp=ddp)
-                 for name, batch in classes]
-    allreduce = _allreduce_costs(prepared, cluster, costs)
-    replay = replay_allreduces([line.bucket_ready_us for line in timelines],
-                               [line.backward_end_us for line in timelines],
-                               [c.us for c in allreduce],
-                               [shares_cores(devices[name]) for name, _ in classes])
-    comm = _allreduce_stream(prepared, replay, allreduce)
+    return render(PlanEvaluator(prepared, cluster, costs, plan, optimizer=optimizer))
+
+
+def render(evaluator: PlanEvaluator) -> SimResult:
+    """The :class:`SimResult` of an evaluator's current state."""
+    prepared, cluster, replay = evaluator.prepared, evaluator.cluster, evaluator.replay
+    states = evaluator.states
+    comm = _allreduce_stream(prepared, replay, evaluator.allreduce)
     compute = tuple(
-        _finish_iteration(line, replay, i, optimizer,
-                          *sync_costs(prepared, cluster, costs, devices[name], optimizer),
+        _finish_iteration(state.timeline, replay, i, evaluator.optimizer, *evaluator.tails[i],
                           prepared.grad_param_bytes)
-        for i, (line, (name, _)) in enumerate(zip(timelines, classes)))
-    iteration_us = max(float(stream.end_us[-1]) for stream in compute)
-    class_index = {c: i for i, c in enumerate(classes)}
+        for i, state in enumerate(states))
+    iteration_us = evaluator.iteration_us
+    class_index = {c: i for i, c in enumerate(evaluator.classes)}
     class_of_rank = np.array([class_index[(r.device, r.batch_size)] for r in cluster.ranks])
     busy_us = np.array([stream.dur_us.sum() for stream in compute])[class_of_rank]
-    memory = pd.DataFrame(
-        [memory_breakdown(work, prepared.graph.params, assignments[name], batch_size=batch,
-                          optimizer=optimizer, bucket_bytes=float(prepared.bucket_bytes.sum()))
-         for name, batch in classes], columns=list(MEMORY_COMPONENTS))
+    memory = pd.DataFrame([state.memory for state in states], columns=list(MEMORY_COMPONENTS))
     ranks = pd.RangeIndex(cluster.world_size, name="rank")
     per_rank_memory = memory.iloc[class_of_rank].set_axis(ranks)
     wire = sum(ring_wire_bytes(b, cluster.world_size) for b in prepared.bucket_bytes)
     return SimResult(
         iteration_us=iteration_us,
         idle_us=pd.Series(iteration_us - busy_us, index=ranks, name="idle_us"),
-        peak_memory_bytes=per_rank_memory.sum(axis=1).rename("peak_memory_bytes"),
+        tensor_peak_bytes=per_rank_memory.sum(axis=1).rename("tensor_peak_bytes"),
         memory_breakdown=per_rank_memory,
         wire_bytes=pd.Series(float(wire), index=ranks, name="wire_bytes"),
         throughput_samples_per_s=cluster.global_batch_size / (iteration_us / _US_PER_S),
@@ -127,6 +121,19 @@ def simulate(graph: "OpGraph | PreparedGraph", plan: Mapping[str, KindPlan], clu
     )
 
 
+def plan_parts(plan: "Plan | Mapping[str, KindPlan]", cluster: Cluster | None,
+               optimizer: str | None) -> tuple[Mapping[str, KindPlan], Cluster, str]:
+    """The per-kind precisions, cluster (with the plan's batch sizes) and optimizer that
+    :func:`simulate` uses for ``plan`` and its optional ``cluster``/``optimizer``."""
+    if isinstance(plan, Plan):
+        cluster = plan.apply_to(cluster) if cluster is not None else plan.cluster
+        return plan.precisions, cluster, optimizer or plan.optimizer
+    if cluster is None:
+        raise QSyncError("simulating a plan given as a mapping needs its cluster; pass "
+                         "cluster=, or pass a Plan")
+    return plan, cluster, optimizer or DEFAULT_OPTIMIZER
+
+
 def _prepared(graph: "OpGraph | PreparedGraph", bucket_cap_mb: float | None) -> PreparedGraph:
     if not isinstance(graph, PreparedGraph):
         return prepare_graph(graph, bucket_cap_mb=bucket_cap_mb)
@@ -135,33 +142,6 @@ def _prepared(graph: "OpGraph | PreparedGraph", bucket_cap_mb: float | None) -> 
                          f"{graph.bucket_cap_mb}, not {bucket_cap_mb}; prepare it again "
                          "with that cap or leave bucket_cap_mb out")
     return graph
-
-
-def ddp_work(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> DdpWork | None:
-    """What DDP adds to every rank's compute stream; None on one rank."""
-    if cluster.world_size == 1:
-        return None
-    broadcast = (costs.broadcast_time_us(prepared.graph.buffer_bytes, cluster.world_size,
-                                         _ring_links(cluster))
-                 if prepared.graph.buffer_bytes else None)
-    return DdpWork(broadcast, prepared.bucket_ops, prepared.bucket_bytes)
-
-
-def sync_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, device,
-               optimizer: str) -> tuple[Cost | None, Cost]:
-    """A rank's costs after the backward: the bucket unpack (None on one rank) and the
-    optimizer step. They do not depend on the precision plan (gradients are fp32)."""
-    unpack = (copy_time_us(float(prepared.bucket_bytes.sum()), costs, device)
-              if cluster.world_size > 1 and len(prepared.bucket_bytes) else None)
-    return unpack, costs.optimizer_time_us(prepared.grad_param_bytes, optimizer, device)
-
-
-def _allreduce_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> list[Cost]:
-    if cluster.world_size == 1:
-        return []
-    links = _ring_links(cluster)
-    return [costs.allreduce_time_us(size, cluster.world_size, links)
-            for size in prepared.bucket_bytes]
 
 
 def _allreduce_stream(prepared: PreparedGraph, replay: AllreduceReplay,
@@ -176,19 +156,6 @@ def _allreduce_stream(prepared: PreparedGraph, replay: AllreduceReplay,
                                    replay.begin_us, replay.dur_us, prepared.bucket_bytes)
 
 
-def _ring_links(cluster: Cluster) -> list[LinkSpec]:
-    """The distinct links between ring neighbours (ranks in rank order, wrapping)."""
-    nodes = np.array([r.node for r in cluster.ranks])
-    following = np.roll(nodes, -1)
-    links = [cluster.intra_node_links[node] for node in np.unique(nodes[nodes == following])]
-    if (nodes != following).any():
-        if cluster.inter_node_link is None:
-            raise QSyncError(f"cluster {cluster.name!r} has several nodes but no "
-                             "inter_node_link; set one")
-        links.append(cluster.inter_node_link)
-    return links
-
-
 def _finish_iteration(line: ComputeTimeline, replay: AllreduceReplay, index: int,
                       optimizer: str, unpack: Cost | None, step: Cost,
                       param_bytes: float) -> StreamEvents:
@@ -200,15 +167,12 @@ def _finish_iteration(line: ComputeTimeline, replay: AllreduceReplay, index: int
     tail = [(f"optimizer:{optimizer}", "optimizer", "optimizer", step, param_bytes)]
     if unpack is not None:
         tail.insert(0, ("ddp:unpack", "ddp", "backward", unpack, param_bytes))
-    tail_start, tail_dur = [], []
-    for *_, cost, _ in tail:
-        tail_start.append(begin_us)
-        tail_dur.append(cost.us)
-        begin_us += cost.us
+    tail_start = [begin_us] if unpack is None else [begin_us, begin_us + unpack.us]  # as
+    # tail_end_us adds them
     return StreamEvents(
         e.op + tuple(t[0] for t in tail), e.fqn + ("",) * len(tail),
         e.category + tuple(t[1] for t in tail), e.phase + tuple(t[2] for t in tail),
         e.precision + ("fp32",) * len(tail), e.plan_precision + ("fp32",) * len(tail),
         e.source + tuple(t[3].source for t in tail),
-        np.append(start_us, tail_start), np.append(dur_us, tail_dur),
+        np.append(start_us, tail_start), np.append(dur_us, [t[3].us for t in tail]),
         np.append(e.bytes, [t[4] for t in tail]))

@@ -2,23 +2,23 @@ import re
 
 import pytest
 
-from qsync_lab.allocate import (Constraints, PlanEvaluator, allocate, allocate_detailed,
+from qsync_lab.allocate import (Constraints, allocate, allocate_detailed,
                                 uniform_low_precision)
 from qsync_lab.allocate.recover import greedy_recover
 from qsync_lab.allocate.choices import OpChoices
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import simulate
+from qsync_lab.simulate import PlanEvaluator, simulate
 
 GIB = 2**30
 
 
 def _check(plan, prepared, cluster, costs, *, target_us, budget_gib):
-    sim = simulate(prepared, plan.simulator_plan(), plan.apply_to(cluster), costs)
+    sim = simulate(prepared, plan, cluster, costs)
     assert sim.iteration_us <= target_us * (1 + 1e-9)
     t4 = [r.rank for r in cluster.ranks if r.device == "T4"]
-    assert sim.peak_memory_bytes.iloc[t4].max() <= budget_gib * GIB
+    assert sim.tensor_peak_bytes.iloc[t4].max() <= budget_gib * GIB
     return sim
 
 
@@ -104,7 +104,7 @@ class _Toy:
     def propose(self, kind, changes):
         plan = {**self.plan, **changes}
         self.tried.append(next(iter(changes)))
-        return type("P", (), {"plan": plan, "peak_memory_bytes": 0.0,
+        return type("P", (), {"plan": plan, "tensor_peak_bytes": 0.0,
                               "iteration_us": sum(self.times[o][p] for o, p in plan.items())})
 
     def accept(self, proposal):
@@ -134,10 +134,10 @@ def test_two_kinds_allocated_together_stay_within_their_limits(small_case):
     budgets = {kind: 0.97 * evaluator.memory_bytes(kind, {}) / GIB for kind in cluster.device_kinds}
     result = allocate_detailed(prepared, cluster, costs, scores,
                                Constraints(memory_gib=budgets))
-    sim = simulate(prepared, result.plan.simulator_plan(), cluster, costs)
+    sim = simulate(prepared, result.plan, cluster, costs)
     assert sim.iteration_us <= result.target_us * (1 + 1e-9)
     assert sim.iteration_us == pytest.approx(result.iteration_us)
     for kind, budget in budgets.items():
         ranks = [r.rank for r in cluster.ranks if r.device == kind]
-        assert sim.peak_memory_bytes.iloc[ranks].max() <= budget * GIB
+        assert sim.tensor_peak_bytes.iloc[ranks].max() <= budget * GIB
         assert result.plan.low_precision_ops()[kind] > 0

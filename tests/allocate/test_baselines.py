@@ -16,7 +16,7 @@ def test_dynamic_batching_keeps_the_global_batch_and_favours_the_fast_kind(small
 def test_uniform_low_precision_runs_every_candidate_narrowest(small_case):
     prepared, cluster, costs, scores = small_case
     plan = uniform_low_precision(prepared, cluster, costs, scores)
-    assert set(plan.precisions["T4"].values()) == {Precision.INT8}
+    assert {cfg.forward for cfg in plan.precisions["T4"].values()} == {Precision.INT8}
     assert set(plan.precisions["T4"]) == set(scores.index)
 
 
@@ -32,7 +32,7 @@ def test_compare_strategies_table(small_case):
     table = compare_strategies(prepared, cluster, costs, scores)
     assert table.index.tolist() == list(STRATEGIES)
     for column in ("throughput_samples_per_s", "iteration_ms", "low_precision_ops[T4]",
-                   "indicator_sum", "peak_memory_gib[T4]", "batch[T4]", "meets_target",
+                   "indicator_sum", "tensor_peak_gib[T4]", "batch[T4]", "meets_target",
                    "allocation_s"):
         assert column in table.columns
     assert table.loc["qsync", "meets_target"]

@@ -1,9 +1,8 @@
 import numpy as np
 import pytest
 
-from qsync_lab.allocate import PlanEvaluator
 from qsync_lab.allocate.baselines import with_batch_sizes
-from qsync_lab.simulate import simulate
+from qsync_lab.simulate import PlanEvaluator, simulate
 
 
 def _random_plan(prepared, scores, rng):
@@ -26,20 +25,20 @@ def test_incremental_evaluation_equals_simulate(small_case, batches):
         sim = simulate(prepared, plan, cluster, costs)
         assert evaluator.iteration_us == pytest.approx(sim.iteration_us, rel=1e-12)
         t4 = [r.rank for r in cluster.ranks if r.device == "T4"]
-        assert proposal.peak_memory_bytes == pytest.approx(
-            float(sim.peak_memory_bytes.iloc[t4].max()), rel=1e-12)
+        assert proposal.tensor_peak_bytes == pytest.approx(
+            float(sim.tensor_peak_bytes.iloc[t4].max()), rel=1e-12)
 
 
 def test_rejected_proposal_leaves_no_trace(small_case):
     prepared, cluster, costs, _ = small_case
     evaluator = PlanEvaluator(prepared, cluster, costs)
     before_us, before_plan = evaluator.iteration_us, dict(evaluator.plan("T4"))
-    before_memory = evaluator.peak_memory_bytes("T4")
+    before_memory = evaluator.tensor_peak_bytes("T4")
     proposal = evaluator.propose("T4", {0: "int8"})
     assert proposal.iteration_us != before_us
     assert evaluator.iteration_us == before_us
     assert dict(evaluator.plan("T4")) == before_plan
-    assert evaluator.peak_memory_bytes("T4") == before_memory
+    assert evaluator.tensor_peak_bytes("T4") == before_memory
     assert evaluator.propose("T4", {}).iteration_us == before_us
 
 

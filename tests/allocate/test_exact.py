@@ -5,13 +5,13 @@ import statistics
 import numpy as np
 import pytest
 
-from qsync_lab.allocate import (AdditiveInstance, PlanEvaluator, exact_plan, linearized_instance,
+from qsync_lab.allocate import (AdditiveInstance, exact_plan, linearized_instance,
                                 op_choices, optimality_gap)
 from qsync_lab.allocate.recover import recover_instance, recover_plans
 from qsync_lab.cluster import load_cluster
 from qsync_lab.costs import CostModel
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import prepare_graph
+from qsync_lab.simulate import PlanEvaluator, prepare_graph
 
 
 def test_exact_plan_is_the_brute_force_optimum():

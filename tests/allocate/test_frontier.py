@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 
-from qsync_lab.allocate import PlanEvaluator, chain_costs, op_choices, risk_frontier
+from qsync_lab.simulate import PlanEvaluator
+from qsync_lab.allocate import chain_costs, op_choices, risk_frontier
 from qsync_lab.allocate.exact import AdditiveInstance, exact_plan
 
 

@@ -137,7 +137,7 @@ def test_uniform_low_precision_lowers_the_norms_to_fp16():
     scores = indicator(model, graph, [(x, y)], loss_fn=LOSS, precisions=["fp16", "int8"],
                        num_batches=1, progress=False)
     plan = uniform_low_precision(graph, load_cluster("v100-t4-small"), CostModel(), scores)
-    t4 = {fqn: str(p) for fqn, p in plan.precisions["T4"].items()}
+    t4 = {fqn: str(cfg.forward) for fqn, cfg in plan.precisions["T4"].items()}
     assert t4 == {"0": "int8", "1": "fp16", "3": "int8", "4": "fp16"}
     assert all(math.isfinite(v) for v in scores[("fp16", "omega")])
-    assert Precision.FP16 in set(plan.precisions["T4"].values())
+    assert Precision.FP16 in {cfg.forward for cfg in plan.precisions["T4"].values()}

@@ -33,7 +33,7 @@ def test_training_logs_every_step_checkpoints_and_learns(tmp_path, single_rank_g
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
     assert summary["test_accuracy"] > 0.8
     assert summary["ranks"][0]["applied_plan"]["fc1"] == "int8/fp16 nearest tensor"
-    assert summary["predicted_step_ms"] > 0 and summary["measured_peak_memory_mib"] > 0
+    assert summary["predicted_step_ms"] > 0 and summary["measured_tensor_peak_mib"] > 0
     # the step-time median leaves out the first fifth of the steps (8 of 40) by default
     timed = [r["step_ms"][0] for r in records[8:]]
     assert summary["ranks"][0]["median_step_ms"] == pytest.approx(statistics.median(timed),

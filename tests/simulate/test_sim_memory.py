@@ -49,7 +49,7 @@ def test_memory_equals_hand_count_on_two_layers(make_cluster):
     }
     assert _peak_moment(moments) == moments["2"]
     assert sim.memory_breakdown.loc[1].to_dict() == pytest.approx(expected_t4)
-    assert sim.peak_memory_bytes[1] == pytest.approx(sum(expected_t4.values()))
+    assert sim.tensor_peak_bytes[1] == pytest.approx(sum(expected_t4.values()))
     v100 = sim.memory_breakdown.loc[0]
     assert v100["low_precision_weights"] == 0
     assert v100["activations"] == 4 * 8 * fp32                  # peak at layer 0 again

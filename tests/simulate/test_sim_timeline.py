@@ -34,7 +34,7 @@ def test_compute_stream_order_and_durations(graph, make_cluster, round_costs):
     sim = simulate(graph, {}, make_cluster([FAST]), round_costs, bucket_cap_mb=BUCKET_CAP_MB)
     ops = _compute(sim, 0)
     assert ops["op"].tolist() == ["0", "1", "2", "3", "4", "4", "4", "3", "2", "2", "1", "0",
-                                  "optimizer:sgd"]
+                                  "optimizer:sgd_momentum"]
     assert ops["phase"].tolist()[5:12] == ["backward_input", "backward_weight",
                                            "backward_input", "backward_input",
                                            "backward_weight", "backward_input",
@@ -107,7 +107,7 @@ def test_slow_rank_gates_every_allreduce(graph, make_cluster, round_costs):
     assert all(s >= r for s, r in zip(comm["start_us"], slow_ready))
     assert all(s > 12 * FAST_US + 3 * pack for s in comm["start_us"][1:])  # the fast rank waits
     comm_end = 342.0 + ALLREDUCE_US
-    optimizer_us = max(round_costs.optimizer_time_us(3 * 288, "sgd", load_cluster(
+    optimizer_us = max(round_costs.optimizer_time_us(3 * 288, "sgd_momentum", load_cluster(
         "v100-t4-small").catalog.device(d)).us for d in (FAST, SLOW))
     assert sim.iteration_us == pytest.approx(comm_end + CAST_US + optimizer_us)
     assert sim.idle_us[0] > sim.idle_us[1]
@@ -202,7 +202,7 @@ def test_batch_size_scales_compute_not_parameters(make_cluster):
     # at 4096 the activations outweigh the gradients: the peak is at the start of backward,
     # each op's saved input (Linear, Linear) or output (ReLU) of 4096x256 fp32 held
     assert big.memory_breakdown.loc[1, "activations"] == 4096 * 3 * 256 * 4
-    assert big.peak_memory_bytes[1] > small.peak_memory_bytes[1]
+    assert big.tensor_peak_bytes[1] > small.tensor_peak_bytes[1]
     assert big.memory_breakdown.loc[1, "master_weights"] == small.memory_breakdown.loc[
         1, "master_weights"]
     assert big.idle_us[0] > big.idle_us[1]  # the rank with 64x the batch gates the other

@@ -1,0 +1,258 @@
+"""The simulator's state: one iteration of a cluster kept per rank class, re-costed by kind.
+
+Ranks with the same device kind and batch size (a *class*) share one compute timeline, so
+:class:`PlanEvaluator` keeps every class's :class:`~qsync_lab.simulate.ComputeTimeline` and
+memory breakdown. A plan change on one device kind rebuilds only that kind's classes, then
+replays the allreduce stream (:func:`~qsync_lab.simulate.replay_allreduces`), the bucket
+unpacks and the optimizer steps; allreduce, unpack and optimizer durations do not depend
+on the plan (gradients are fp32), so they are computed once. This is the only evaluation
+path: :func:`~qsync_lab.simulate.simulate` renders an evaluator's state as a
+:class:`~qsync_lab.simulate.SimResult`, and the allocator's trial loop proposes and
+accepts plans on one.
+
+A trial is a :class:`Proposal`: a new value, nothing changed. :meth:`PlanEvaluator.accept`
+installs it; a rejected proposal is dropped and leaves no trace.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.cluster import load_cluster
+    >>> from qsync_lab.costs import CostModel
+    >>> from qsync_lab.graph import trace_graph
+    >>> from qsync_lab.simulate import prepare_graph, simulate
+    >>> graph = trace_graph(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)),
+    ...                     torch.randn(4, 64))
+    >>> cluster, costs = load_cluster("v100-t4-small"), CostModel()
+    >>> evaluator = PlanEvaluator(prepare_graph(graph), cluster, costs)
+    >>> trial = evaluator.propose("T4", {0: "fp16"})
+    >>> trial.iteration_us == simulate(graph, {"T4": {"0": "fp16"}}, cluster, costs).iteration_us
+    True
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from qsync_lab.cluster import Cluster
+from qsync_lab.costs import DEFAULT_OPTIMIZER, Cost, CostModel
+from qsync_lab.devices import LinkSpec
+from qsync_lab.errors import QSyncError
+from qsync_lab.policy import OpPrecision, PrecisionAssignment, resolve_precisions, validate_plan
+from qsync_lab.simulate.memory import memory_breakdown
+from qsync_lab.simulate.prepare import PreparedGraph
+from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
+from qsync_lab.simulate.sync import (AllreduceReplay, DdpWork, copy_time_us, replay_allreduces,
+                                     shares_cores)
+
+__all__ = ["PlanEvaluator", "Proposal", "tail_end_us"]
+
+KindState = Mapping[int, OpPrecision]
+
+
+@dataclass(frozen=True, eq=False)
+class ClassState:
+    """One class's precisions, compute timeline and memory breakdown."""
+
+    assignment: PrecisionAssignment
+    timeline: ComputeTimeline
+    memory: Mapping[str, float]
+
+    @property
+    def memory_bytes(self) -> float:
+        return float(sum(self.memory.values()))
+
+
+@dataclass(frozen=True, eq=False)
+class Proposal:
+    """The cluster's iteration time and one kind's memory if that kind ran ``plan``.
+
+    Attributes:
+        kind: the device kind the proposal changes.
+        plan: that kind's whole plan (op index -> config) after the change.
+        iteration_us: predicted iteration time of the cluster.
+        tensor_peak_bytes: the kind's largest per-rank peak tensor memory.
+        states: the kind's class states (for :meth:`PlanEvaluator.accept`).
+    """
+
+    kind: str
+    plan: KindState
+    iteration_us: float
+    tensor_peak_bytes: float
+    states: tuple[ClassState, ...]
+
+    @property
+    def timelines(self) -> tuple[ComputeTimeline, ...]:
+        """The kind's class timelines under the proposal."""
+        return tuple(s.timeline for s in self.states)
+
+
+def tail_end_us(begin_us: float, unpack: Cost | None, step: Cost) -> float:
+    """When a rank's bucket unpack and optimizer step, run back to back from ``begin_us``,
+    end (the simulator's events add them in this order too)."""
+    end = begin_us + (unpack.us if unpack is not None else 0.0)
+    return end + step.us
+
+
+class PlanEvaluator:
+    """Iteration time and memory of a cluster under a plan that changes one kind at a time.
+
+    Args:
+        prepared: the model's :func:`~qsync_lab.simulate.prepare_graph` result.
+        cluster: the ranks (with their batch sizes) and links.
+        costs: the cost model.
+        plan: the starting plan, device kind -> {op FQN or index -> precision spec}.
+        optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``.
+    """
+
+    def __init__(self, prepared: PreparedGraph, cluster: Cluster, costs: CostModel,
+                 plan: Mapping[str, Mapping["int | str", object]] | None = None, *,
+                 optimizer: str = DEFAULT_OPTIMIZER) -> None:
+        self.prepared, self.cluster, self.costs, self.optimizer = (prepared, cluster, costs,
+                                                                  optimizer)
+        self._state = {kind: MappingProxyType(ops) for kind, ops in validate_plan(
+            plan or {}, prepared.work, cluster.device_kinds, cluster.catalog).items()}
+        self.devices = {name: cluster.catalog.device(name) for name in cluster.device_kinds}
+        self.classes = tuple(sorted({(r.device, r.batch_size) for r in cluster.ranks},
+                                    key=lambda c: (cluster.device_kinds.index(c[0]), c[1])))
+        self.ddp = _ddp_work(prepared, cluster, costs)
+        self.allreduce = _allreduce_costs(prepared, cluster, costs)
+        self.tails = tuple(_tail_costs(prepared, cluster, costs, self.devices[name], optimizer)
+                           for name, _ in self.classes)
+        self._shared = [shares_cores(self.devices[name]) for name, _ in self.classes]
+        self._bucket_bytes = float(prepared.bucket_bytes.sum())
+        self._states = [self._class(name, batch, self._state[name])
+                        for name, batch in self.classes]
+        self.replay, self.iteration_us = self._replay([s.timeline for s in self._states])
+
+    @property
+    def states(self) -> tuple[ClassState, ...]:
+        """The current state of every class, in :attr:`classes` order."""
+        return tuple(self._states)
+
+    @property
+    def timelines(self) -> tuple[ComputeTimeline, ...]:
+        """The current compute timeline of every class, in :attr:`classes` order."""
+        return tuple(s.timeline for s in self._states)
+
+    def plan(self, kind: str) -> KindState:
+        """The current plan of ``kind`` (op index -> config; missing ops follow the policy)."""
+        return self._state[kind]
+
+    def tensor_peak_bytes(self, kind: str) -> float:
+        """The largest per-rank peak tensor memory among ``kind``'s ranks."""
+        return max(s.memory_bytes for s, (name, _) in zip(self._states, self.classes)
+                   if name == kind)
+
+    def propose(self, kind: str, changes: Mapping[int, object]) -> Proposal:
+        """Evaluate ``kind``'s plan with ``changes`` applied (None removes an op's entry).
+
+        Nothing changes until :meth:`accept`.
+        """
+        plan = dict(self._state[kind])
+        for op, precision in changes.items():
+            if precision is None:
+                plan.pop(op, None)
+            else:
+                plan[op] = OpPrecision.parse(precision)
+        return self.propose_plan(kind, plan)
+
+    def propose_plan(self, kind: str, plan: Mapping[int, object]) -> Proposal:
+        """Evaluate ``kind`` running ``plan`` (op index -> precision) instead of its current one."""
+        plan = {op: OpPrecision.parse(p) for op, p in plan.items()}
+        positions = [i for i, (name, _) in enumerate(self.classes) if name == kind]
+        states = list(self._states)
+        for i in positions:
+            states[i] = self._class(kind, self.classes[i][1], plan)
+        _, iteration_us = self._replay([s.timeline for s in states])
+        return Proposal(kind, MappingProxyType(plan), iteration_us,
+                        max(states[i].memory_bytes for i in positions),
+                        tuple(states[i] for i in positions))
+
+    def memory_bytes(self, kind: str, plan: Mapping[int, object]) -> float:
+        """The largest per-rank peak tensor memory of ``kind`` if it ran ``plan`` (no
+        timeline)."""
+        assignment = resolve_precisions(self.prepared.work, plan, self.devices[kind])
+        return max(float(sum(self._memory(assignment, batch).values()))
+                   for name, batch in self.classes if name == kind)
+
+    def accept(self, proposal: Proposal) -> None:
+        """Make ``proposal`` the current state of its kind."""
+        positions = [i for i, (name, _) in enumerate(self.classes) if name == proposal.kind]
+        for i, state in zip(positions, proposal.states):
+            self._states[i] = state
+        self._state[proposal.kind] = proposal.plan
+        self.replay, self.iteration_us = self._replay([s.timeline for s in self._states])
+
+    def pace_us(self, kind: str) -> float:
+        """The iteration time if every rank's forward and backward ran like ``kind`` in full
+        precision (fp32, at the rank's batch size). Allreduces, unpacks and each rank's own
+        optimizer step stay as they are: no precision plan changes them."""
+        device, work = self.devices[kind], self.prepared.work
+        assignment = resolve_precisions(work, {}, device)
+        lines = {batch: compute_timeline(work, assignment, self.costs, device, batch_size=batch,
+                                         ddp=self.ddp)
+                 for batch in {b for _, b in self.classes}}
+        return self._replay([lines[batch] for _, batch in self.classes])[1]
+
+    def _class(self, kind: str, batch: int, plan: KindState) -> ClassState:
+        work, device = self.prepared.work, self.devices[kind]
+        assignment = resolve_precisions(work, plan, device)
+        line = compute_timeline(work, assignment, self.costs, device, batch_size=batch,
+                                ddp=self.ddp)
+        return ClassState(assignment, line, self._memory(assignment, batch))
+
+    def _memory(self, assignment: PrecisionAssignment, batch: int) -> dict[str, float]:
+        return memory_breakdown(self.prepared.work, self.prepared.graph.params, assignment,
+                                batch_size=batch, optimizer=self.optimizer,
+                                bucket_bytes=self._bucket_bytes)
+
+    def _replay(self, timelines: list[ComputeTimeline]) -> tuple[AllreduceReplay, float]:
+        """The allreduce stream, then each class's unpack and optimizer step."""
+        replay = replay_allreduces([line.bucket_ready_us for line in timelines],
+                                   [line.backward_end_us for line in timelines],
+                                   [c.us for c in self.allreduce], self._shared)
+        end_us = float(max(tail_end_us(max(end, replay.end_us), *tail)
+                           for end, tail in zip(replay.backward_end_us, self.tails)))
+        return replay, end_us
+
+
+def _ddp_work(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> DdpWork | None:
+    """What DDP adds to every rank's compute stream; None on one rank."""
+    if cluster.world_size == 1:
+        return None
+    broadcast = (costs.broadcast_time_us(prepared.graph.buffer_bytes, cluster.world_size,
+                                         ring_links(cluster))
+                 if prepared.graph.buffer_bytes else None)
+    return DdpWork(broadcast, prepared.bucket_ops, prepared.bucket_bytes)
+
+
+def _tail_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, device,
+                optimizer: str) -> tuple[Cost | None, Cost]:
+    """A rank's costs after the backward: the bucket unpack (None on one rank) and the
+    optimizer step. They do not depend on the precision plan (gradients are fp32)."""
+    unpack = (copy_time_us(float(prepared.bucket_bytes.sum()), costs, device)
+              if cluster.world_size > 1 and len(prepared.bucket_bytes) else None)
+    return unpack, costs.optimizer_time_us(prepared.grad_param_bytes, optimizer, device)
+
+
+def _allreduce_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> list[Cost]:
+    if cluster.world_size == 1:
+        return []
+    links = ring_links(cluster)
+    return [costs.allreduce_time_us(size, cluster.world_size, links)
+            for size in prepared.bucket_bytes]
+
+
+def ring_links(cluster: Cluster) -> list[LinkSpec]:
+    """The distinct links between ring neighbours (ranks in rank order, wrapping)."""
+    nodes = np.array([r.node for r in cluster.ranks])
+    following = np.roll(nodes, -1)
+    links = [cluster.intra_node_links[node] for node in np.unique(nodes[nodes == following])]
+    if (nodes != following).any():
+        if cluster.inter_node_link is None:
+            raise QSyncError(f"cluster {cluster.name!r} has several nodes but no "
+                             "inter_node_link; set one")
+        links.append(cluster.inter_node_link)
+    return links
