@@ -36,14 +36,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsync_lab.cluster import Cluster, cluster_from_definition, list_clusters, load_cluster
-from qsync_lab.costs import OPTIMIZER_STATES
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph import OpGraph
 from qsync_lab.io import atomic_write_text
+from qsync_lab.optimizers import OPTIMIZER_STATES
 from qsync_lab.policy import KindPlan, OpPrecision
+
+if TYPE_CHECKING:
+    from qsync_lab.graph import OpGraph
 
 __all__ = ["PLAN_TYPE", "SCHEMA_VERSION", "Plan", "PlanMigrationWarning", "RankPlan"]
 
@@ -101,7 +103,7 @@ class Plan:
                              f"{', '.join(OPTIMIZER_STATES)}")
 
     @classmethod
-    def build(cls, graph: OpGraph, cluster: Cluster, precisions: Mapping[str, KindPlan], *,
+    def build(cls, graph: "OpGraph", cluster: Cluster, precisions: Mapping[str, KindPlan], *,
               strategy: str = "", optimizer: str = "sgd_momentum",
               compression: Mapping[str, Any] | None = None, model_name: str = "",
               model_kwargs: Mapping[str, Any] | None = None) -> "Plan":
@@ -171,7 +173,7 @@ class Plan:
                       for r, p in zip(cluster.ranks, self.ranks))
         return dataclasses.replace(cluster, ranks=ranks)
 
-    def validate(self, graph: OpGraph | None = None, cluster: Cluster | None = None) -> None:
+    def validate(self, graph: "OpGraph | None" = None, cluster: Cluster | None = None) -> None:
         """Check the plan against a model and a cluster (default: its own).
 
         Raises:
@@ -275,7 +277,7 @@ class Plan:
         atomic_write_text(path, self.to_json())
 
     @classmethod
-    def load(cls, path: "str | os.PathLike[str]", *, graph: OpGraph | None = None,
+    def load(cls, path: "str | os.PathLike[str]", *, graph: "OpGraph | None" = None,
              cluster: Cluster | None = None) -> "Plan":
         """Read a plan and check it against its cluster (or ``cluster``) and ``graph``.
 

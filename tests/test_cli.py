@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -87,13 +88,74 @@ def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
                       task="synthetic")
     code, out, _ = run(capsys, "run", "--plan", str(plan), "--steps", "3", "--data", "synthetic",
                        "--run-dir", str(tmp_path / "run"), "--threads", "1")
-    assert code == 0 and "torch.distributed.run --standalone --nproc-per-node=2" in out
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0 and summary["steps"] == 3
+    # quiet: one line of results; torchrun's banner and the ranks' output are in the log
+    assert out.count("\n") == 1 and "torch.distributed" not in out
+    assert f"step time measured {summary['measured_step_ms']:.2f} ms" in out
+    log = (tmp_path / "run" / "launch.log").read_text()
+    assert "OMP_NUM_THREADS" in log and "test accuracy" in log
+    # fewer steps than the default warm-up: at least one step is timed, and the summary says so
+    assert (summary["warmup_steps"], summary["timed_steps"]) == (2, 1)
 
 
 def test_run_without_a_readable_plan_is_one_line(capsys):
     code, _, err = run(capsys, "run", "--plan", "missing.json")
     assert code == 2 and "cannot read plan missing.json" in err and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def mlp_plan(tmp_path_factory):
+    from tests.runtime.conftest import write_plan
+
+    folder = tmp_path_factory.mktemp("plan")
+    return write_plan(folder / "plan.json", "local-cpu", {}, model="digits_mlp",
+                      task="synthetic")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--steps", "-1"], "--steps must be a positive integer, got -1"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
+    (["--lr", "nan"], "--lr must be a finite non-negative number"),
+    (["--model-kwargs", "{oops"], "--model-kwargs is not JSON"),
+    (["--model", "digits_cnn"], "the plan was made for another model"),
+    (["--model", "resnet5"], "unknown model 'resnet5'"),
+    (["--data", "imagenet"], "unknown --data 'imagenet'"),
+    (["--nproc-per-node", "3"], "the plan is for 2 ranks"),
+])
+def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, extra, message):
+    """One line on stderr, exit 2, in a fresh process, before torchrun starts (no log)."""
+    run_dir = tmp_path / "run"
+    begin = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "qsync_lab", "run", "--plan", str(mlp_plan),
+                           "--run-dir", str(run_dir), *extra], capture_output=True, text=True,
+                          timeout=60)
+    seconds = time.perf_counter() - begin
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("qsync-lab: error: ") and message in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert not run_dir.exists()
+    if extra[0] in ("--steps", "--optimizer", "--lr", "--model-kwargs", "--nproc-per-node"):
+        assert seconds < 2.0, seconds  # checked before torch is imported
+
+
+def test_a_broken_pipe_ends_quietly():
+    done = subprocess.run(f"{sys.executable} -m qsync_lab graph --model resnet50 --rows 0 | "
+                          "head -n 1", shell=True, capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("resnet50: ") and done.stderr == ""
+
+
+def test_simulate_takes_the_file_plan_writes(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert run(capsys, "plan", "--model", "resnet18", "--cluster", "local-hybrid",
+               "--calibration-batches", "1", "--out", str(out))[0] == 0
+    code, text, err = run(capsys, "simulate", "--plan", str(out), "--trace",
+                          str(tmp_path / "t.json"))
+    assert code == 0, err
+    assert text.startswith("resnet18 on local-hybrid (2 ranks")
+    code, _, err = run(capsys, "simulate", "--plan", str(out), "--uniform", "T4=fp16")
+    assert code == 2 and "--uniform applies without --plan" in err
 
 
 def test_runtime_options_are_only_for_run(capsys):
@@ -144,13 +206,12 @@ def test_plan_bad_memory_budget_is_one_line(capsys):
 
 
 def test_profile_writes_a_table_the_cost_model_reads(capsys, tmp_path):
-    from qsync_lab.costs import read_profile
-    from qsync_lab.profile import load_cost_model, read_link_fits
+    from qsync_lab.costs import load_cost_model, read_link_fits, read_profile
 
     out = tmp_path / "cpu.csv"
     code, text, _ = run(capsys, "profile", "--model", "digits_mlp", "--batch", "4",
                         "--precisions", "fp32,bf16", "--repeats", "2", "--processes", "2",
-                        "--no-ddp-link", "--out", str(out))  # the DDP fit: test_ddp_link
+                        "--links", "allreduce", "--out", str(out))  # DDP's: test_ddp_link
     assert code == 0 and f"wrote {out}" in text
     assert "loopback" in read_link_fits(out)
     rows = read_profile(out).frame

@@ -30,11 +30,12 @@ import pandas as pd
 
 from qsync_lab.allocate.choices import op_choices
 from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.qsync import (allocate_detailed, kinds_to_allocate, prepared_graph,
                                      target_iteration_us)
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import DEFAULT_OPTIMIZER, CostModel
+from qsync_lab.costs import CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan

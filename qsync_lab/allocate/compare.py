@@ -26,10 +26,11 @@ import pandas as pd
 from qsync_lab.allocate.constraints import Constraints
 from qsync_lab.allocate.baselines import (dynamic_batching, joint_batch_precision,
                                           uniform_low_precision)
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.qsync import allocate, prepared_graph, target_iteration_us
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import DEFAULT_OPTIMIZER, CostModel
+from qsync_lab.costs import CostModel
 from qsync_lab.devices import BYTES_PER_GIB
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan

@@ -45,11 +45,12 @@ import pandas as pd
 from qsync_lab.allocate.chain import ChainCosts, chain_costs
 from qsync_lab.allocate.choices import OpChoices, op_choices
 from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.fastest import fastest_feasible_plan
 from qsync_lab.allocate.recover import TIME_RTOL, RecoveryStats, recover_plans
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import DEFAULT_OPTIMIZER, CostModel
+from qsync_lab.costs import CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan

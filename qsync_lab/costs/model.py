@@ -40,18 +40,14 @@ from qsync_lab.costs.roofline import Roofline, default_roofline
 from qsync_lab.costs.work import OpWork, phase_work, shape_key
 from qsync_lab.devices import DeviceCatalog, DeviceSpec, LinkSpec, load_catalog
 from qsync_lab.errors import QSyncError
+from qsync_lab.optimizers import optimizer_state_count
 from qsync_lab.precision import Precision
 
 #: suffix of a link's measured DDP buffer broadcast in ``link_fits``
 BROADCAST_SUFFIX = "-ddp-broadcast"
 
-__all__ = ["DEFAULT_OPTIMIZER", "OPTIMIZER_STATES", "Cost", "CostModel", "optimizer_state_count"]
+__all__ = ["Cost", "CostModel"]
 
-#: optimizer -> fp32 state tensors per parameter (momentum buffer; Adam's two moments)
-OPTIMIZER_STATES: Mapping[str, int] = MappingProxyType(
-    {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2})
-#: the optimizer a run trains with unless told otherwise (``python -m qsync_lab.runtime``)
-DEFAULT_OPTIMIZER = "sgd_momentum"
 _CAST_KIND = "cast"
 #: profile metadata keys (and CostModel fields) of the step-overhead fit
 _OVERHEAD_KEYS = ("step_overhead_us", "event_overhead_us")
@@ -309,17 +305,3 @@ def _metadata_number(table: ProfileTable, key: str) -> float:
     except ValueError:
         raise QSyncError(f"{table.source}: metadata {key!r} must start with a number, "
                          f"got {table.metadata[key]!r}") from None
-
-
-def optimizer_state_count(optimizer: str) -> int:
-    """fp32 state tensors per parameter of ``optimizer`` (QSyncError if unknown).
-
-    Example::
-
-        >>> optimizer_state_count("sgd_momentum"), optimizer_state_count("adam")
-        (1, 2)
-    """
-    if optimizer not in OPTIMIZER_STATES:
-        raise QSyncError(f"unknown optimizer {optimizer!r}; choose one of: "
-                         f"{', '.join(OPTIMIZER_STATES)}")
-    return OPTIMIZER_STATES[optimizer]

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from qsync_lab.costs import PROFILE_COLUMNS, CostModel, read_profile, write_profile
+from qsync_lab.costs.model import CostModel
+from qsync_lab.costs.profiles import PROFILE_COLUMNS, read_profile, write_profile
 from qsync_lab.devices import LinkSpec
 from qsync_lab.errors import QSyncError
 

@@ -36,11 +36,11 @@ Example::
     (True, 'functional conv2d calls run in fp32; use a module to plan it')
 """
 
+import functools
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-
-from torch import nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.policy.op_precision import OpPrecision
@@ -56,17 +56,23 @@ class KindRule:
 
     Attributes:
         precisions: what the forward and backward passes may run in.
-        torch_class: the torch module class of the kind (None: modules declare it with
-            ``op_kind``, as the zoo's ``MatMul`` does).
+        torch_class: the import path of the kind's torch module class (None: modules
+            declare the kind with ``op_kind``, as the zoo's ``MatMul`` does); read when
+            first needed, so importing the policy does not import torch.
         replaces_forward: whether a low precision replaces the module's forward (GEMM
             kinds) rather than rounding its inputs and outputs (norms).
         functions: functional calls (operator names) a plan can set too.
     """
 
     precisions: frozenset[Precision]
-    torch_class: type[nn.Module] | None
+    torch_class: str | None
     replaces_forward: bool
     functions: frozenset[str] = frozenset()
+
+    @property
+    def module_class(self) -> type | None:
+        """The torch module class of the kind (None for declared kinds)."""
+        return None if self.torch_class is None else _import(self.torch_class)
 
 
 _EVERY = frozenset(Precision)
@@ -74,16 +80,16 @@ _NORM = frozenset({Precision.FP32, Precision.FP16, Precision.BF16})
 
 #: op kind -> its rule; kinds not listed follow their inputs
 PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
-    "linear": KindRule(_EVERY, nn.Linear, True, frozenset({"linear"})),
-    "conv1d": KindRule(_EVERY, nn.Conv1d, True),
-    "conv2d": KindRule(_EVERY, nn.Conv2d, True),
-    "conv3d": KindRule(_EVERY, nn.Conv3d, True),
+    "linear": KindRule(_EVERY, "torch.nn.Linear", True, frozenset({"linear"})),
+    "conv1d": KindRule(_EVERY, "torch.nn.Conv1d", True),
+    "conv2d": KindRule(_EVERY, "torch.nn.Conv2d", True),
+    "conv3d": KindRule(_EVERY, "torch.nn.Conv3d", True),
     "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"})),
-    "embedding": KindRule(_EVERY - {Precision.TF32}, nn.Embedding, True),
-    "batch_norm": KindRule(_NORM, nn.modules.batchnorm._BatchNorm, False),
-    "layer_norm": KindRule(_NORM, nn.LayerNorm, False),
-    "group_norm": KindRule(_NORM, nn.GroupNorm, False),
-    "rms_norm": KindRule(_NORM, nn.RMSNorm, False),
+    "embedding": KindRule(_EVERY - {Precision.TF32}, "torch.nn.Embedding", True),
+    "batch_norm": KindRule(_NORM, "torch.nn.modules.batchnorm._BatchNorm", False),
+    "layer_norm": KindRule(_NORM, "torch.nn.LayerNorm", False),
+    "group_norm": KindRule(_NORM, "torch.nn.GroupNorm", False),
+    "rms_norm": KindRule(_NORM, "torch.nn.RMSNorm", False),
 })
 
 
@@ -98,18 +104,18 @@ def kind_allows(kind: str, precision: "Precision | str") -> bool:
     return Precision.parse(precision) in allowed_precisions(kind)
 
 
-def module_refusal(module: nn.Module, kind: str | None) -> str | None:
+def module_refusal(module, kind: str | None) -> str | None:
     """Why a plan cannot set this module (traced as an op of ``kind``), or None if it can."""
     rule = PLANNABLE_KINDS.get(kind)
     if rule is None:
         return _follower_text(kind)
     # a module already in low precision is judged by the class it was made from
     cls = getattr(type(module), "op_float_class", type(module))
-    if rule.torch_class is not None and not isinstance(module, rule.torch_class):
+    base = rule.module_class
+    if base is not None and not isinstance(module, base):
         return (f"its class {cls.__name__} declares op_kind {kind!r} but is not a "
-                f"{rule.torch_class.__name__}; it runs in fp32")
-    if (rule.replaces_forward and rule.torch_class is not None
-            and cls.forward is not rule.torch_class.forward):
+                f"{base.__name__}; it runs in fp32")
+    if rule.replaces_forward and base is not None and cls.forward is not base.forward:
         return (f"its class {cls.__name__} has its own forward, which a low precision would "
                 "replace; it runs in fp32")
     if kind == "embedding" and (module.max_norm is not None or module.sparse):
@@ -156,3 +162,9 @@ def _follower_text(kind: str | None) -> str:
     planned = ", ".join(PLANNABLE_KINDS)
     return (f"{kind or 'this'} ops follow their inputs' precision (a plan sets only "
             f"{planned})")
+
+
+@functools.cache
+def _import(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

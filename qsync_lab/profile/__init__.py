@@ -8,8 +8,8 @@
 * :func:`profile_allreduce` / :func:`fit_alpha_beta` time allreduces on the real backend
   and fit the link's α–β; :func:`measure_ddp_overhead` / :func:`fit_ddp_link` fit it to
   what real DDP steps of calibration models add (the link the simulator should use);
-* :func:`write_device_profile` writes ``data/profiles/<device>.csv``;
-  :func:`load_cost_model` turns profiles into a :class:`~qsync_lab.costs.CostModel`.
+* :func:`profile_machine` runs all of it and writes one profile CSV
+  (:func:`qsync_lab.costs.load_cost_model` turns profiles into a cost model).
 
 Example::
 
@@ -26,21 +26,17 @@ from qsync_lab.profile.concurrent import median_over_processes, profile_ops_conc
 from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
                                        measure_buffer_broadcast, measure_ddp_overhead)
 from qsync_lab.profile.fit import LineFit, fit_line
+from qsync_lab.profile.machine import LINK_METHODS, ProfileJob, ProfileWritten, profile_machine
 from qsync_lab.profile.ops import METHODS, autograd_call_overhead_us, profile_ops
 from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
-from qsync_lab.costs.profile_links import (link_metadata, load_cost_model, read_link_fits,
-                                     write_device_profile)
 from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metadata
 
 __all__ = [
-    "METHODS", "AlphaBetaFit", "LineFit", "autograd_call_overhead_us", "copy_pass_us",
-    "default_cast_sizes",
-    "default_copy_sizes", "default_sizes", "fit_alpha_beta", "fit_casts", "fit_buffer_broadcast",
-    "fit_ddp_link",
-    "fit_line",
-    "fit_step_overhead", "intra_op_threads", "link_metadata", "load_cost_model",
-    "measure_buffer_broadcast", "measure_ddp_overhead",
-    "median_over_processes", "median_time_us", "profile_allreduce", "profile_casts",
-    "profile_ops", "profile_ops_concurrently", "read_link_fits", "run_metadata",
-    "step_overhead_metadata", "write_device_profile",
+    "LINK_METHODS", "METHODS", "AlphaBetaFit", "LineFit", "ProfileJob", "ProfileWritten",
+    "autograd_call_overhead_us", "copy_pass_us", "default_cast_sizes", "default_copy_sizes",
+    "default_sizes", "fit_alpha_beta", "fit_buffer_broadcast", "fit_casts", "fit_ddp_link",
+    "fit_line", "fit_step_overhead", "intra_op_threads", "measure_buffer_broadcast",
+    "measure_ddp_overhead", "median_over_processes", "median_time_us", "profile_allreduce",
+    "profile_casts", "profile_machine", "profile_ops", "profile_ops_concurrently",
+    "run_metadata", "step_overhead_metadata",
 ]

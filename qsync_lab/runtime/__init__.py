@@ -15,7 +15,15 @@ Example::
     ('digits', (4, 1, 8, 8))
 """
 
-from qsync_lab.runtime.tasks import Task, load_task
-from qsync_lab.runtime.trainer import TrainConfig, train
+import importlib
 
-__all__ = ["Task", "TrainConfig", "load_task", "train"]
+_EXPORTS = {"Task": "qsync_lab.runtime.tasks", "load_task": "qsync_lab.runtime.tasks",
+            "TrainConfig": "qsync_lab.runtime.options", "train": "qsync_lab.runtime.trainer"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # light to import: ``qsync-lab run`` checks options before torch
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qsync_lab.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -37,7 +37,6 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +44,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from qsync_lab.costs import OPTIMIZER_STATES
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.io import atomic_write_text
+from qsync_lab.optimizers import OPTIMIZER_STATES
 from qsync_lab.plan import Plan
 from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
 from qsync_lab.runtime.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
                                           save_checkpoint)
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.metrics import MetricsLog
+from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
 from qsync_lab.runtime.tasks import Task, default_task, load_task
 
@@ -66,60 +66,6 @@ MEMORY_STEPS = 2
 MIN_WARMUP_STEPS = 3
 CHECKPOINT = "checkpoint.pt"
 _MIB = 2**20
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run needs besides the plan file's contents.
-
-    Attributes:
-        plan: path of the plan JSON (``qsync-lab plan`` or ``Plan.save``).
-        run_dir: where metrics, checkpoints, the summary and the final weights go.
-        model: zoo model (default: the one the plan records).
-        model_kwargs: its keyword arguments (default: the plan's).
-        data: bundled task (default: the model's, :func:`~qsync_lab.runtime.tasks.default_task`).
-        steps: global training steps.
-        optimizer: ``sgd``, ``sgd_momentum`` (with ``momentum``), ``adam`` or ``adamw``
-            (transformers train far better with it); None: the plan's, which its memory
-            prediction counts.
-        lr, momentum: the learning rate; ``sgd_momentum``'s momentum.
-        seed: model initialisation, data order and split.
-        checkpoint_every: steps between checkpoints (0: none).
-        resume: continue from ``run_dir``'s checkpoint if there is one.
-        deterministic: ``torch.use_deterministic_algorithms(True)`` (bit-reproducible runs).
-        warmup_steps: steps of each attempt left out of the step-time median (None: the
-            first fifth, at least 3; a ms-scale model's gloo and allocator warm up over
-            tens of steps).
-        profiles: measured profile CSVs for the prediction (default: the shipped CPU one).
-    """
-
-    plan: str
-    run_dir: str = "qsync_run"
-    model: str | None = None
-    model_kwargs: dict[str, Any] | None = None
-    data: str | None = None
-    steps: int = 100
-    optimizer: str | None = None
-    lr: float = 0.05
-    momentum: float = 0.9
-    seed: int = 0
-    checkpoint_every: int = 20
-    resume: bool = False
-    deterministic: bool = False
-    warmup_steps: int | None = None
-    profiles: tuple[str, ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        if self.optimizer is not None and self.optimizer not in OPTIMIZER_STATES:
-            raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
-                             f"{', '.join(OPTIMIZER_STATES)}")
-        for name in ("steps", "checkpoint_every", "warmup_steps"):
-            value = getattr(self, name)
-            if name == "warmup_steps" and value is None:
-                continue
-            if not isinstance(value, int) or value < (1 if name == "steps" else 0):
-                raise QSyncError(f"{name} must be a {'positive' if name == 'steps' else 'non-negative'}"
-                                 f" integer, got {value!r}")
 
 
 def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | None:
@@ -323,7 +269,7 @@ class _Run:
         return summary
 
     def _summary(self, ranks: list[dict], start: int) -> dict[str, Any]:
-        from qsync_lab.profile import load_cost_model
+        from qsync_lab.costs import load_cost_model
         from qsync_lab.resources import data_file
         from qsync_lab.runtime.prediction import predict_plan
 

@@ -36,9 +36,10 @@ from types import MappingProxyType
 import numpy as np
 
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import DEFAULT_OPTIMIZER, Cost, CostModel
+from qsync_lab.costs import Cost, CostModel
 from qsync_lab.devices import LinkSpec
 from qsync_lab.errors import QSyncError
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.policy import OpPrecision, PrecisionAssignment, resolve_precisions, validate_plan
 from qsync_lab.simulate.memory import memory_breakdown
 from qsync_lab.simulate.prepare import PreparedGraph

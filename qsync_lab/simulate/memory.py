@@ -57,8 +57,9 @@ Example::
 import numpy as np
 import pandas as pd
 
-from qsync_lab.costs import OpWork, batch_scales, optimizer_state_count
+from qsync_lab.costs import OpWork, batch_scales
 from qsync_lab.costs.work import bits_ratio
+from qsync_lab.optimizers import optimizer_state_count
 from qsync_lab.precision import Precision
 from qsync_lab.policy import PrecisionAssignment, storage_precision
 

@@ -4,7 +4,7 @@ Ranks of one class (same device kind, batch size and plan) share one compute tim
 so a result stores one timeline per class and expands the per-rank event frame only
 when :attr:`SimResult.events` is first read.
 
-Trace format (``to_perfetto``): ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with
+Trace format (:meth:`SimResult.to_perfetto`, :meth:`SimResult.write_perfetto`): ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with
 ``ph: "X"`` events whose ``ts`` and ``dur`` are microseconds, ``pid`` = rank, ``tid`` =
 0 for the compute stream and 1 for the communication stream, ``ph: "M"`` metadata naming
 each process (``rank 3 (T4)``) and thread, and ``args`` holding ``fqn``, ``precision``,
@@ -25,6 +25,8 @@ Example::
     >>> trace = sim.to_perfetto()
     >>> trace["displayTimeUnit"], sorted({e["ph"] for e in trace["traceEvents"]})
     ('ms', ['M', 'X'])
+    >>> sim  # doctest: +ELLIPSIS
+    SimResult(2 ranks: 1 x V100-SXM2-32GB, 1 x T4; iteration ... ms, ... samples/s, ...)
 """
 
 import json
@@ -101,13 +103,22 @@ class SimResult:
             "wire_mib": self.wire_bytes.to_numpy() / 2**20,
         }, index=pd.Index(range(self.world_size), name="rank"))
 
-    def to_perfetto(self, path: "str | os.PathLike[str] | None" = None, *,
-                    ranks: "list[int] | None" = None) -> dict:
-        """The Chrome/Perfetto trace (format in the module docstring), written atomically
-        to ``path`` when given.
+    def __repr__(self) -> str:
+        counts = pd.Series(self.rank_devices).value_counts(sort=False)
+        ranks = ", ".join(f"{n} x {kind}" for kind, n in counts.items())
+        return (f"SimResult({self.world_size} ranks: {ranks}; iteration "
+                f"{self.iteration_us / 1e3:.3f} ms, {self.throughput_samples_per_s:.1f} "
+                f"samples/s, tensor peak {self.tensor_peak_bytes.max() / 2**20:.1f} MiB)")
+
+    def write_perfetto(self, path: "str | os.PathLike[str]", *,
+                       ranks: "list[int] | None" = None) -> None:
+        """Write :meth:`to_perfetto`'s trace to ``path`` as JSON, atomically."""
+        atomic_write_text(path, json.dumps(self.to_perfetto(ranks=ranks)))
+
+    def to_perfetto(self, *, ranks: "list[int] | None" = None) -> dict:
+        """The Chrome/Perfetto trace (format in the module docstring).
 
         Args:
-            path: where to write the JSON (nothing is written when None).
             ranks: the ranks to include (default all; one class's ranks look alike).
         """
         selected = np.arange(self.world_size) if ranks is None else np.asarray(ranks)
@@ -131,10 +142,7 @@ class SimResult:
                          "phase": columns["phase"][i], "bytes": columns["bytes"][i],
                          "source": columns["source"][i]},
             })
-        trace = {"traceEvents": trace_events, "displayTimeUnit": "ms"}
-        if path is not None:
-            atomic_write_text(path, json.dumps(trace))
-        return trace
+        return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
 
     def _frame(self, ranks: np.ndarray) -> pd.DataFrame:
         parts = []

@@ -42,9 +42,10 @@ import numpy as np
 import pandas as pd
 
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import DEFAULT_OPTIMIZER, Cost, CostModel, ring_wire_bytes
+from qsync_lab.costs import Cost, CostModel, ring_wire_bytes
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.plan import Plan
 from qsync_lab.policy import KindPlan
 from qsync_lab.simulate.evaluator import PlanEvaluator

@@ -4,12 +4,11 @@
 import pandas as pd
 import pytest
 
-from qsync_lab.costs import CostModel
+from qsync_lab.costs import CostModel, link_metadata, load_cost_model, write_device_profile
 from qsync_lab.devices import LinkSpec
 from qsync_lab.errors import QSyncError
 from qsync_lab.profile import (LineFit, copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
-                               link_metadata, load_cost_model, measure_buffer_broadcast,
-                               measure_ddp_overhead, write_device_profile)
+                               measure_buffer_broadcast, measure_ddp_overhead)
 
 
 def _frame(alpha_us, us_per_byte, copy):

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from qsync_lab.costs import PROFILE_COLUMNS, read_profile
+from qsync_lab.costs import (PROFILE_COLUMNS, link_metadata, load_cost_model, read_link_fits,
+                             read_profile, write_device_profile)
 from qsync_lab.devices import LinkSpec, load_catalog
 from qsync_lab.errors import QSyncError
-from qsync_lab.profile import (fit_alpha_beta, fit_casts, fit_line, link_metadata,
-                               load_cost_model, profile_allreduce, profile_casts, profile_ops,
-                               read_link_fits, run_metadata, write_device_profile)
+from qsync_lab.profile import (fit_alpha_beta, fit_casts, fit_line, profile_allreduce,
+                               profile_casts, profile_ops, run_metadata)
 
 
 def _tiny_rows():

@@ -142,8 +142,12 @@ def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
         train(TrainConfig(str(other), str(tmp_path / "run"), steps=3, resume=True))
 
 
-@pytest.mark.parametrize("field, value", [("steps", 0), ("checkpoint_every", -1),
-                                          ("optimizer", "lion")])
-def test_bad_config_values(field, value):
-    with pytest.raises(QSyncError, match=field):
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", 0, "--steps must be a positive integer"),
+    ("steps", True, "--steps must be a positive integer"),
+    ("checkpoint_every", -1, "--checkpoint-every must be a non-negative integer"),
+    ("lr", float("nan"), "--lr must be a finite non-negative number"),
+    ("optimizer", "lion", "unknown optimizer 'lion'")])
+def test_bad_config_values(field, value, message):
+    with pytest.raises(QSyncError, match=message):
         TrainConfig("plan.json", **{field: value})

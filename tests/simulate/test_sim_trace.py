@@ -11,7 +11,8 @@ from qsync_lab.simulate import simulate
 def test_trace_json_structure_units_and_round_trip(graph, make_cluster, round_costs, tmp_path):
     sim = simulate(graph, {SLOW: {"2": "fp16"}}, make_cluster([FAST, SLOW]), round_costs)
     path = tmp_path / "trace.json"
-    trace = sim.to_perfetto(path)
+    sim.write_perfetto(path)
+    trace = sim.to_perfetto()
     loaded = json.loads(path.read_text())
     assert loaded == trace
     assert loaded["displayTimeUnit"] == "ms"

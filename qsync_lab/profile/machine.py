@@ -1,0 +1,162 @@
+"""Profile this machine end to end into one profile CSV, with a progress bar per stage.
+
+:func:`profile_machine` runs the stages ``qsync-lab profile`` and :meth:`qsync_lab.Study.profile`
+need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_device_profile`):
+
+1. ``ops``: every op of each model in each precision and phase
+   (:func:`~qsync_lab.profile.profile_ops`, in ``processes`` processes at once as that
+   many local ranks will run);
+2. ``casts`` (optional): the runtime's precision conversions and DDP's in-place copies;
+3. ``step overhead``: the framework's cost of a training step (calibration MLPs);
+4. ``links`` (optional): gloo allreduces fitted α–β, refitted to what real DDP steps add
+   (``"ddp"``), and DDP's buffer broadcast.
+
+Example::
+
+    >>> import tempfile, pathlib, torch, torch.nn as nn
+    >>> out = pathlib.Path(tempfile.mkdtemp()) / "cpu.csv"
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    >>> job = ProfileJob("mlp", model, (torch.randn(4, 8),), torch.randn(4, 8), nn.MSELoss())
+    >>> written = profile_machine([job], out, precisions=["fp32"], repeats=2, casts=False,
+    ...                           links=None, progress=False)
+    >>> written.ops_rows > 0, out.exists()
+    (True, True)
+"""
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from torch import nn
+from tqdm.auto import tqdm
+
+from qsync_lab.costs.profile_links import link_metadata, write_device_profile
+from qsync_lab.errors import QSyncError
+from qsync_lab.precision import Precision
+from qsync_lab.profile.allreduce import default_sizes, fit_alpha_beta, profile_allreduce
+from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit_casts,
+                                     profile_casts)
+from qsync_lab.profile.concurrent import profile_ops_concurrently
+from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
+                                       measure_buffer_broadcast, measure_ddp_overhead)
+from qsync_lab.profile.ops import profile_ops
+from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
+from qsync_lab.profile.timing import intra_op_threads, run_metadata
+
+__all__ = ["LINK_METHODS", "ProfileJob", "ProfileWritten", "profile_machine"]
+
+#: how the allreduce link is fitted: real DDP steps ("ddp"), the microbenchmark, or not
+LINK_METHODS = ("ddp", "allreduce", None)
+
+
+@dataclass(frozen=True)
+class ProfileJob:
+    """One model to profile: its name (the op rows' model), the module, an example batch
+    and the loss."""
+
+    name: str
+    model: nn.Module
+    inputs: tuple
+    target: object
+    loss_fn: nn.Module
+
+
+@dataclass(frozen=True)
+class ProfileWritten:
+    """What :func:`profile_machine` wrote: the file, its row counts and the link fit."""
+
+    path: Path
+    ops_rows: int
+    cast_rows: int
+    link: str
+
+    def __str__(self) -> str:
+        return (f"wrote {self.path}: {self.ops_rows} op rows, {self.cast_rows} cast rows"
+                + (f"; {self.link}" if self.link else ""))
+
+
+def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *,
+                    precisions: Sequence["Precision | str"], threads: int = 1,
+                    repeats: int = 10, processes: int = 1, method: str = "in_step",
+                    casts: bool = True, links: str | None = "ddp",
+                    progress: bool = True) -> ProfileWritten:
+    """Run the stages of the module docstring and write the profile to ``out``.
+
+    Raises:
+        QSyncError: a non-positive count or an unknown link method, before measuring.
+    """
+    if min(threads, repeats, processes) < 1:
+        raise QSyncError("threads, repeats and processes must be positive integers")
+    if links not in LINK_METHODS:
+        raise QSyncError(f"unknown link method {links!r}; choose one of: "
+                         f"{', '.join(map(str, LINK_METHODS))}")
+    names = [str(Precision.parse(p)) for p in precisions]
+    stages = ([f"ops: {job.name}" for job in jobs] + (["casts"] if casts else [])
+              + ["step overhead"] + ([f"links ({links})"] if links else []))
+    bar = tqdm(stages, desc="profile", unit="stage", disable=not progress)
+    measure = (functools.partial(profile_ops_concurrently, processes=processes, threads=threads)
+               if processes > 1 else functools.partial(profile_ops, progress=False))
+    frames, metadata = [], {**run_metadata("cpu", threads=threads), "profile_method": method}
+    if processes > 1:
+        metadata["concurrent_processes"] = str(processes)
+    with intra_op_threads(threads):
+        for job in jobs:
+            bar.set_postfix_str(f"ops of {job.name}")
+            rows = measure(job.model, job.inputs, job.target, job.loss_fn, names,
+                           repeats=repeats, method=method)
+            # several models share op names (conv1, fc): match their rows by kind and shape
+            frames.append(rows.assign(op="") if len(jobs) > 1 else rows)
+            bar.update()
+        cast_rows = pd.DataFrame()
+        if casts:
+            bar.set_postfix_str("casts")
+            cast_rows = _casts(names, repeats)
+            metadata.update({f"cast_r2.{pair}": f"{fit.r2:.4f}"
+                             for pair, fit in fit_casts(cast_rows).items()})
+            bar.update()
+        bar.set_postfix_str("step overhead")
+        metadata.update(step_overhead_metadata(fit_step_overhead(repeats=repeats,
+                                                                 method=method)))
+        bar.update()
+    link_text = ""
+    if links:
+        bar.set_postfix_str(f"links ({links})")
+        link_meta, link_text = _links(links, cast_rows, threads, repeats, Path(out).name)
+        metadata.update(link_meta)
+        bar.update()
+    bar.close()
+    write_device_profile(out, [*frames, cast_rows], metadata)
+    return ProfileWritten(Path(out), sum(len(f) for f in frames), len(cast_rows), link_text)
+
+
+def _casts(precisions: list[str], repeats: int) -> pd.DataFrame:
+    pairs = ([("fp32", p) for p in precisions if p != "fp32"]
+             + [(p, "fp32") for p in precisions if p not in ("fp32", "int8")])
+    return pd.concat([profile_casts(pairs, default_cast_sizes(), repeats=repeats),
+                      profile_casts([("fp32", "fp32")], default_copy_sizes(),  # DDP's copies
+                                    repeats=repeats)])
+
+
+def _links(method: str, cast_rows: pd.DataFrame, threads: int, repeats: int,
+           profile_name: str) -> tuple[dict[str, str], str]:
+    """The link metadata lines and a one-line description of the fit."""
+    allreduce = profile_allreduce(default_sizes(), repeats=repeats)
+    fit = fit_alpha_beta(allreduce["bytes"], allreduce["time_us"], world_size=2,
+                         link="loopback")
+    if method == "ddp":
+        if cast_rows.empty:
+            raise QSyncError("fitting the link to DDP steps needs the casts stage (copy costs)")
+        fit = fit_ddp_link(measure_ddp_overhead(threads=threads),
+                           copy_pass_us(fit_casts(cast_rows)), link="loopback",
+                           source=f"profile:{profile_name} ddp-calibration")
+    metadata = link_metadata(fit.link, r2=fit.line.r2, world_size=2, backend="gloo")
+    if method == "ddp":  # DDP's broadcast of BatchNorm buffers before every forward
+        broadcast = fit_buffer_broadcast(measure_buffer_broadcast(threads=threads), fit.link)
+        metadata.update(link_metadata(broadcast, r2=float("nan"), world_size=2,
+                                      backend="gloo"))
+    text = (f"allreduce alpha {fit.link.latency_s * 1e6:.1f} us, beta "
+            f"{fit.link.bandwidth_Bps / 1e9:.2f} GB/s (R2 {fit.line.r2:.3f})")
+    return metadata, text

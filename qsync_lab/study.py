@@ -1,0 +1,239 @@
+"""``Study``: one model on one cluster, from trace to run, each expensive step done once.
+
+A study traces the model (with its loss) into an :class:`~qsync_lab.graph.OpGraph`, scores
+its ops with the sensitivity indicator, allocates plans, simulates them and runs them on
+local DDP ranks, caching the graph, the prepared graph, the cost model and the indicator
+so that a notebook can re-plan and re-simulate cheaply. It wires the same functions the
+command line uses; nothing here decides anything they do not.
+
+Example::
+
+    >>> import qsync_lab
+    >>> study = qsync_lab.Study("resnet18", cluster="local-hybrid", progress=False)
+    >>> plan = study.plan()
+    >>> plan.low_precision_ops()
+    {'V100-SXM2-32GB': 0, 'T4': 22}
+    >>> study.simulate(plan)  # doctest: +ELLIPSIS
+    SimResult(2 ranks: 1 x V100-SXM2-32GB, 1 x T4; iteration ... ms, ...)
+"""
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from qsync_lab.cluster import Cluster, load_cluster
+from qsync_lab.costs import CostModel, load_cost_model
+from qsync_lab.errors import QSyncError
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
+from qsync_lab.plan import Plan
+from qsync_lab.precision import Precision
+
+__all__ = ["Study"]
+
+
+class Study:
+    """A model, its example batch and a cluster, with the pipeline's results cached.
+
+    Args:
+        model: a zoo model name (:func:`qsync_lab.models.list_models`) or an ``nn.Module``.
+        example_batch: ``(inputs, target)``, ``inputs`` a tensor or tuple of tensors
+            (default for a zoo model: its example batch of ``batch_size``; required for a
+            module).
+        cluster: a shipped cluster name, a TOML path or a :class:`~qsync_lab.cluster.Cluster`.
+        loss_fn: the training loss (default: the zoo model's, else cross-entropy).
+        model_kwargs: a zoo model's keyword arguments.
+        batch_size: the example batch size of a zoo model (the graph scales to each rank's).
+        profiles: measured profile CSVs for the cost model (default: the catalog roofline).
+        calibration_batches: batches the indicator averages over (zoo models: seeded
+            example batches; a module: the example batch).
+        optimizer: what runs train with (the memory model counts its state).
+        progress: show progress bars.
+    """
+
+    def __init__(self, model: "str | nn.Module", example_batch: tuple | None = None, *,
+                 cluster: "str | os.PathLike[str] | Cluster" = "local-hybrid",
+                 loss_fn: nn.Module | None = None,
+                 model_kwargs: Mapping[str, Any] | None = None, batch_size: int = 2,
+                 profiles: Sequence["str | os.PathLike[str]"] = (),
+                 calibration_batches: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
+                 progress: bool = True) -> None:
+        from qsync_lab.models import example_batch as zoo_batch
+        from qsync_lab.models import get_model, model_spec
+
+        self.model_kwargs = dict(model_kwargs or {})
+        if isinstance(model, str):
+            spec = model_spec(model)
+            self.name, self.zoo_name = spec.name, spec.name
+            torch.manual_seed(0)
+            self.model = get_model(spec.name, **self.model_kwargs)
+            self.loss_fn = loss_fn or spec.loss_fn()
+            self._batch = functools.partial(zoo_batch, spec.name, batch_size,
+                                            **self.model_kwargs)
+        elif isinstance(model, nn.Module):
+            if example_batch is None:
+                raise QSyncError("a Study of your own module needs its example_batch: "
+                                 "(inputs, target)")
+            self.name, self.zoo_name, self.model = type(model).__name__, "", model
+            self.loss_fn = loss_fn or nn.CrossEntropyLoss()
+            self._batch = lambda seed=0: example_batch
+        else:
+            raise QSyncError(f"model must be a zoo model name or an nn.Module, got "
+                             f"{type(model).__name__}")
+        self.example = example_batch if example_batch is not None else self._batch(seed=0)
+        self.cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+        self.profiles = tuple(str(p) for p in profiles)
+        self.costs = load_cost_model(*profiles) if profiles else CostModel()
+        if calibration_batches < 1:
+            raise QSyncError(f"calibration_batches must be at least 1, got {calibration_batches}")
+        self.calibration_batches = calibration_batches if self.zoo_name else 1
+        self.optimizer = optimizer
+        self.progress = progress
+        self.run_threads: int | None = None  # per rank: what the profile measured with
+        self._indicators: dict[tuple, pd.DataFrame] = {}
+
+    def __repr__(self) -> str:
+        return (f"Study({self.name!r} on {self.cluster.name!r}: {self.cluster.world_size} "
+                f"ranks, {', '.join(self.cluster.device_kinds)})")
+
+    @functools.cached_property
+    def graph(self):
+        """The model's :class:`~qsync_lab.graph.OpGraph`, traced with its loss."""
+        from qsync_lab.graph import trace_graph
+
+        inputs, target = self.example
+        return trace_graph(self.model, inputs, target=target, loss_fn=self.loss_fn)
+
+    @functools.cached_property
+    def prepared(self):
+        """The graph prepared for simulating many plans (:func:`~qsync_lab.simulate.prepare_graph`)."""
+        from qsync_lab.simulate import prepare_graph
+
+        return prepare_graph(self.graph)
+
+    @property
+    def low_precisions(self) -> tuple[Precision, ...]:
+        """Every precision other than fp32 that some device kind of the cluster runs."""
+        kinds = [self.cluster.catalog.device(k) for k in self.cluster.device_kinds]
+        return tuple(p for p in Precision
+                     if p is not Precision.FP32 and any(d.supports(p) for d in kinds))
+
+    def indicator(self, precisions: Sequence["Precision | str"] | None = None) -> pd.DataFrame:
+        """The sensitivity indicator per op and precision (default: the cluster's low
+        precisions), computed once per set of precisions."""
+        from qsync_lab.indicator import indicator
+
+        wanted = tuple(sorted({Precision.parse(p) for p in (precisions or self.low_precisions)},
+                              key=list(Precision).index))
+        if wanted not in self._indicators:
+            batches = [self._batch(seed=s) for s in range(self.calibration_batches)]
+            self._indicators[wanted] = indicator(
+                self.model, self.graph, batches, loss_fn=self.loss_fn, precisions=wanted,
+                num_batches=len(batches), progress=self.progress)
+        return self._indicators[wanted]
+
+    def plan(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
+             throughput_target: float | None = None, strategy: str = "qsync") -> Plan:
+        """A plan from ``strategy`` (``qsync``, ``uniform-low``, ``dynamic-batching``,
+        ``joint``, ``fp32``) under the constraints.
+
+        Args:
+            memory_limit: per-rank memory budget in GiB, per device kind or one for every
+                kind (default: each device's memory).
+            throughput_target: the least samples/s (default: the fastest kind at fp32 sets
+                the pace).
+        """
+        from qsync_lab.allocate import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            raise QSyncError(f"unknown strategy {strategy!r}; choose one of: "
+                             f"{', '.join(STRATEGIES)}")
+        plan = STRATEGIES[strategy](self.prepared, self.cluster, self.costs, self.indicator(),
+                                    self._constraints(memory_limit, throughput_target),
+                                    optimizer=self.optimizer)
+        return plan.for_model(self.zoo_name, self.model_kwargs) if self.zoo_name else plan
+
+    def simulate(self, plan: Plan | None = None):
+        """The simulated iteration of ``plan`` (default: all fp32) on the study's cluster."""
+        from qsync_lab.simulate import simulate
+
+        if plan is None:
+            return simulate(self.prepared, {}, self.cluster, self.costs,
+                            optimizer=self.optimizer)
+        return simulate(self.prepared, plan, self.cluster, self.costs)
+
+    def compare(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
+                throughput_target: float | None = None) -> pd.DataFrame:
+        """Every strategy side by side (:func:`~qsync_lab.allocate.compare_strategies`)."""
+        from qsync_lab.allocate import compare_strategies
+
+        return compare_strategies(self.prepared, self.cluster, self.costs, self.indicator(),
+                                  self._constraints(memory_limit, throughput_target),
+                                  optimizer=self.optimizer)
+
+    def profile(self, out: "str | os.PathLike[str]", *, repeats: int = 5, threads: int = 1,
+                precisions: Sequence["Precision | str"] | None = None):
+        """Measure this machine's op costs for the model, as many processes at once as the
+        cluster has local ranks (``threads`` each; :meth:`run` then uses as many), into
+        ``out``; the study's costs then read it before the shipped CPU profile (casts and
+        links). Returns what was written."""
+        from qsync_lab.profile import ProfileJob, profile_machine
+        from qsync_lab.resources import data_file
+
+        inputs, target = self.example
+        inputs = inputs if isinstance(inputs, tuple | list) else (inputs,)
+        names = ["fp32", *(str(p) for p in (precisions or self.low_precisions))]
+        written = profile_machine([ProfileJob(self.name, self.model, tuple(inputs), target,
+                                              self.loss_fn)], out, precisions=names,
+                                  threads=threads, repeats=repeats,
+                                  processes=self.cluster.world_size, casts=False, links=None,
+                                  progress=self.progress)
+        self.profiles = (str(out), str(data_file("profiles", "cpu.csv")))
+        self.costs = load_cost_model(*self.profiles)
+        self.run_threads = threads
+        return written
+
+    def predict_run(self, plan: Plan):
+        """What a local run of ``plan`` is predicted to measure: emulated device kinds
+        costed as this machine (:func:`~qsync_lab.runtime.prediction.predict_plan`)."""
+        from qsync_lab.runtime.prediction import predict_plan
+
+        return predict_plan(plan, self.graph, self.costs)
+
+    def run(self, plan: Plan, *, steps: int = 100, run_dir: "str | os.PathLike[str]" = "qsync_run",
+            verbose: bool = False, **options) -> dict[str, Any]:
+        """Train ``plan`` on the local ranks of its cluster (torchrun, gloo on the CPU) and
+        return the summary: measured against predicted step time and memory.
+
+        ``options`` are :class:`~qsync_lab.runtime.options.TrainConfig` fields (``lr``,
+        ``optimizer``, ``data``, ...); the prediction uses the study's profiles. The plan is
+        saved as ``run_dir/plan.json`` first.
+        """
+        from qsync_lab.runtime.launch import launch
+        from qsync_lab.runtime.options import TrainConfig
+
+        if not plan.model_name:
+            raise QSyncError("Study.run trains zoo models; for your own module call "
+                             "qsync_lab.runtime.train(..., task=Task(...)) on every rank "
+                             "under torchrun")
+        path = Path(run_dir) / "plan.json"
+        plan.save(path)
+        config = TrainConfig(plan=str(path), run_dir=str(run_dir), steps=steps,
+                             profiles=self.profiles, **options)
+        threads = self.run_threads
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+        return launch(config, threads=threads, env=env, verbose=verbose, progress=self.progress)
+
+    def _constraints(self, memory_limit, throughput_target):
+        from qsync_lab.allocate import Constraints
+
+        if memory_limit is None or isinstance(memory_limit, Mapping):
+            memory = dict(memory_limit or {})
+        else:
+            memory = dict.fromkeys(self.cluster.device_kinds, memory_limit)
+        return Constraints(memory, throughput_target)
