@@ -82,17 +82,22 @@ def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
                           optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
     """The least-risk plan over batch splits from the cluster's to dynamic batching's.
 
-    The throughput floor is fixed on ``cluster`` as given (the default pace: its fastest
-    kind at fp32), then every split is allocated against it; ties in risk go to the higher
-    throughput.
+    The throughput floor is fixed on ``cluster`` as given: the explicit target, or what
+    :func:`~qsync_lab.allocate.allocate` reaches on the cluster's own split (the default
+    pace — its fastest kind at fp32 — or, where the slow kinds cannot keep up even in their
+    fastest plan, their best). Every split is allocated against it; ties in risk go to the
+    higher throughput.
 
     Raises:
         QSyncError: no split meets the constraints.
     """
     prepared = prepared_graph(graph)
     constraints = constraints or Constraints()
-    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer)
-    floor = cluster.global_batch_size * _US_PER_S / target_iteration_us(evaluator, constraints)
+    floor = constraints.throughput_samples_per_s
+    if floor is None:
+        own = allocate_detailed(prepared, cluster, costs, indicator, constraints,
+                                optimizer=optimizer)
+        floor = cluster.global_batch_size * _US_PER_S / own.target_us
     fixed = dataclasses.replace(constraints, throughput_samples_per_s=floor)
     own = np.array([r.batch_size for r in cluster.ranks], float)
     balanced = np.array(balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer),
