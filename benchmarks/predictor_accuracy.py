@@ -46,6 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
+from qsync_lab.costs import link_metadata, write_device_profile
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
@@ -53,11 +54,10 @@ from qsync_lab.profile import (METHODS, copy_pass_us, default_cast_sizes, defaul
                                default_sizes, fit_alpha_beta, fit_buffer_broadcast, fit_casts,
                                fit_ddp_link, fit_step_overhead, intra_op_threads,
                                measure_buffer_broadcast, measure_ddp_overhead,
-                               link_metadata, profile_allreduce, profile_casts,
-                               profile_ops_concurrently, run_metadata, step_overhead_metadata,
-                               write_device_profile)
-from qsync_lab.runtime.launch import torchrun_command
+                               profile_allreduce, profile_casts, profile_ops_concurrently,
+                               run_metadata, step_overhead_metadata)
 from qsync_lab.policy import PLANNABLE_KINDS
+from qsync_lab.runtime.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_PROFILES = ROOT / "benchmarks/results/profiles.tmp"  # per-model op rows (git-ignored)
@@ -83,7 +83,8 @@ MIB = 2**20
 def plans(graph) -> dict[str, dict[str, str]]:
     """fp32, uniform bf16 and mixed int8/fp32 plans for one model's graph."""
     ops = graph.ops
-    plannable = [name for name, kind in ops["kind"].items() if kind in PLANNABLE_KINDS]
+    plannable = [name for name, kind in ops["kind"].items()
+                 if kind in PLANNABLE_KINDS and not ops.at[name, "plan_refusal"]]
     gemms = [name for name, kind in ops["kind"].items() if kind in GEMM_KINDS]
     return {"fp32": {}, "bf16": {name: "bf16" for name in plannable},
             "mixed": {name: "int8" for name in gemms[:len(gemms) // 2]}}

@@ -11,8 +11,8 @@ Backends (``backend=``): ``"auto"`` (CUDA kernels for CUDA tensors, CPU kernels 
 ``"cpu"`` (Numba ``njit(parallel=True)``), ``"cuda"`` (Numba ``cuda.jit``; CUDA tensors, or
 CPU tensors under ``NUMBA_ENABLE_CUDASIM=1``) and ``"reference"`` (NumPy, ``reference.py``).
 Numba is imported, and kernels compiled, on first use only; the CPU kernels are also cached
-on disk (Numba's ``cache=True``, see ``cpu.py``), so later processes load them in well under a
-second instead of compiling for ~20 s.
+on disk (Numba's ``cache=True``, see ``cpu.py``), so later processes load them instead of
+compiling them again.
 
 Conventions:
 
@@ -26,13 +26,13 @@ Conventions:
   overwritten. Reusing ``out=`` skips the allocation and its first-touch page faults, which
   on CPU cost as much as the kernel itself for large tensors. New CPU outputs of 4 MiB or
   more are advised as transparent huge pages (``madvise(MADV_HUGEPAGE)`` on that buffer only,
-  Linux; a no-op elsewhere), which makes first touch ~4x cheaper.
+  Linux; a no-op elsewhere), which makes first touch much cheaper.
 * CPU threads: Numba's default threading layer and thread count (``NUMBA_NUM_THREADS``) are
   used as is; nothing here changes process-wide settings. torch and Numba each run an OpenMP
   pool (two libgomp copies). Keep libgomp's default wait policy (a bounded spin) when mixing
   both in a hot loop: ``OMP_WAIT_POLICY=PASSIVE`` makes every parallel region wake sleeping
-  threads, measured on a 2-core VM at 50-150 µs per kernel call (vs 1-20 µs) and 1.6x on a
-  256x256 torch matmul.
+  threads, which adds a wake-up latency to every kernel call and slows small torch ops
+  (matmuls included).
 * NaN/Inf: ``absmax`` propagates NaN like ``torch.amax``; the float-format casts handle them
   exactly like torch's casts; every integer quantizer (int8, Global-QSGD, CGX, QSGD) raises
   QSyncError, found by the abs-max (or norm) pass it needs anyway.

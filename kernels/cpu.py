@@ -13,32 +13,30 @@ Layout. Every kernel works on a flat array whose element ``i`` belongs to channe
 Either way the innermost loop runs over array *slices* from index 0, with a scalar scale or a
 slice of the period vector (``_at``): Numba's negative-index wrap-around then folds away and
 LLVM vectorises the loop with contiguous loads and stores. (With ``for j in range(i, stop)``
-over the full arrays it cannot prove ``j >= 0``, and every load became a gather and every
-int8 store a ``vpextrb`` scatter: that, and one segment per element for last-axis channels,
-was why quantize/dequantize ran far below memory bandwidth.)
+over the full arrays it cannot prove ``j >= 0``: every load becomes a gather and every
+int8 store a ``vpextrb`` scatter, and the loop runs far below memory bandwidth.)
 
 Float32 values are read as ``uint32``/``int32`` bit views where the bits matter (abs-max, float
 formats). Nothing here allocates outputs except small partial-result arrays and period
-vectors; the dispatcher passes preallocated outputs. Numerics follow ``reference.py`` exactly
+vectors; the Python wrappers pass preallocated outputs. Numerics follow ``reference.py`` exactly
 (no fastmath): quantize keeps the true division ``x / s`` (a reciprocal multiply changes the
 rounding of some quotients, e.g. ties of ``rint``; the division is not the bottleneck here:
-``vdivps`` retires 8 quotients every few cycles, far above what memory delivers). Hot loops
-were checked in the assembly: abs-max ``vpand``/``vpmaxsd``, dequantize
+``vdivps`` retires 8 quotients every few cycles, far above what memory delivers). The hot
+loops compile to packed instructions: abs-max ``vpand``/``vpmaxsd``, dequantize
 ``vpmovsxbd``/``vcvtdq2ps``/``vmulps``, RNE quantize ``vdivps``/``vroundps``/``vcvttps2dq``
 with packed stores, the float casts blend-based in 32-bit lanes, stochastic rounding's hash in
 32-bit lanes (``rng_bits32``).
 
 Compilation: kernels are compiled on first use and cached on disk (``cache=True``; Numba
 puts the cache in ``__pycache__`` beside this file, or in its user-wide cache directory when
-that is read-only; with no writable place at all they are compiled per process as before).
+that is read-only; with no writable place at all they are compiled per process).
 The cache key also holds a digest of ``floatfmt.py`` and ``rng.py``, whose functions the
-kernels inline (Numba itself only watches this file). Measured here: the first calls of a
-typical set of routines take ~18 s in a fresh install (was ~12 s: more loop variants) and
-~0.7 s in every later process (was ~12 s in every process).
+kernels inline (Numba itself only watches this file). So the first calls compile (slow,
+once per install), and later processes load the compiled kernels from the cache.
 
-Threading: Numba's default layer is used (``omp`` here; ``workqueue`` measured the same on
-these memory-bound loops, ``tbb`` is not installed) and nothing is set at import, since a
-threading layer is process-wide and other Numba code may depend on it.
+Threading: Numba's default layer is used (these loops are memory-bound, so the choice of
+layer matters little) and nothing is set at import, since a threading layer is process-wide
+and other Numba code may depend on it.
 """
 
 import functools
@@ -515,7 +513,7 @@ def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out)
 # The scalar source is ``floatfmt`` (shared with the CUDA kernels). With the format a run-time
 # tuple, Numba's 64-bit integer typing keeps the vector lanes 64 bits wide; with the format a
 # compile-time constant, LLVM folds the constants and narrows the hot loop to 32-bit lanes
-# (about twice the throughput). So large arrays get a kernel compiled for their format (once
+# (twice the lanes per vector). So large arrays get a kernel compiled for their format (once
 # per format and kernel, cached in memory and on disk: the closure's format is part of
 # Numba's cache key), small ones the generic kernel. Formats with 2 <= E <= 7 and
 # 1 <= M <= 22 (fp16, both fp8, most CPD formats) use ``floatfmt``'s ``*_narrow`` twins,

@@ -123,7 +123,7 @@ def _make_encode(consts):
         # normal: round the float32 bits themselves; a mantissa carry moves into the exponent.
         # The sum is < 2**32 (an < 2**31), so truncating it to 32 bits before the shift changes
         # nothing, but it lets LLVM keep the lanes 32 bits wide (Numba widens u32 + u32 to 64
-        # bits; without the truncation the shift needed the 64-bit sum: half the throughput).
+        # bits; without the truncation the shift needs the 64-bit sum and 64-bit lanes).
         an = u32(f32(max(ax, fmin)).view(u32))
         mag_n = u32(u32(u32(an + u32(half_m1) + ((an >> u32(sh)) & u32(odd))) >> u32(sh))
                     - u32(rebias))

@@ -1,6 +1,6 @@
 """Pure NumPy reference of every kernel: the single source of truth for the numerics.
 
-Arrays in, arrays out, no Numba. Inputs are float32 arrays (the dispatcher upcasts fp16 and
+Arrays in, arrays out, no Numba. Inputs are float32 arrays (the torch-facing API upcasts fp16 and
 bf16 exactly); per-channel routines take ``axis`` and a scale with one entry per channel.
 The float-format functions are written from values (float64 arithmetic, ``np.frexp``),
 independently of the bit-level kernels in ``floatfmt.py`` that they check.

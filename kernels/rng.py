@@ -10,7 +10,8 @@ multiply, xor-shift) over the two 32-bit words of the index. Every intermediate 
 kept below 2**49, so the same plain-Python function gives identical results as Python
 integers, as NumPy int64 scalars (the CUDA simulator) and as Numba int64 (CPU and CUDA)
 without ever overflowing: multiplications by 32-bit constants are split into two 16-bit
-halves. A uniform number in [0, 1) is ``(rng_bits(key, i) >> 8) * 2**-24`` (exact in float32). ``cpu.py`` and ``cuda.py`` compile these very functions; ``reference.py`` has a
+halves. A uniform number in [0, 1) is ``(rng_bits(key, i) >> 8) * 2**-24`` (exact in
+float32). ``cpu.py`` and ``cuda.py`` compile these very functions; ``reference.py`` has a
 vectorised NumPy twin that a test checks against them.
 """
 

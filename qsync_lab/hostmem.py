@@ -2,14 +2,12 @@
 
 glibc's malloc hands large freed blocks back to the kernel (``munmap`` above its mmap
 threshold, heap trimming above its trim threshold), so every CPU training step touches
-fresh pages again. Measured on this project's 2-core VM (one thread, batch 16): 9,200 page
-faults per ResNet-18 step and 73 ms per step, against none and 57 ms with the freed memory
-kept; BERT-mini 145 → 133 ms. In a VM whose freed pages go back to the host (free page
-reporting), what a fault costs can also change with the host's state; before this,
-element-wise op timings (allocation-heavy) taken minutes apart disagreed by up to 3x. :func:`keep_freed_memory` sets
-``mallopt`` so that no block is mmapped and the heap is never trimmed: a process reuses its
-own freed memory: the profiler and
-the training ranks call it, and both then see the same steady state.
+fresh pages again, and its page faults take a noticeable share of the step time. In a VM
+whose freed pages go back to the host (free page reporting), what a fault costs also
+changes with the host's state, so allocation-heavy (element-wise) op timings taken minutes
+apart disagree. :func:`keep_freed_memory` sets ``mallopt`` so that no block is mmapped and
+the heap is never trimmed: a process reuses its own freed memory. The profiler and the
+training ranks call it, and both then see the same steady state.
 
 The price is that the process's resident memory stays at its peak (tensor memory, which
 the simulator predicts, is unchanged). Elsewhere than glibc it does nothing.

@@ -2,7 +2,7 @@
 
 The allocator needs cheap estimates for two jobs: finding the fastest plan that fits
 memory (:mod:`qsync_lab.allocate.fastest`) and ranking recovery moves
-(:mod:`qsync_lab.allocate.greedy`). Both use the candidates as a *chain* in graph order:
+(:mod:`qsync_lab.allocate.recover`). Both use the candidates as a *chain* in graph order:
 
 * node cost of op ``i`` in ``p``: its forward at ``p`` plus both backward phases at the
   backward precision, the weight cast from the fp32 master copy and the weight-gradient

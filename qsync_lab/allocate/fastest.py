@@ -8,9 +8,9 @@ fastest plan; if it does not fit the budget, the weight is raised (bisection on 
 scale) until the plan fits, which trades the least time for memory. Without memory
 pressure the Viterbi plan competes with two simple ones (every op in its narrowest
 precision; every op in its fastest by node cost alone) and the simulator's fastest of the
-three that fit wins, so the start is never slower than uniform low precision. The memory of every
-plan tried is the simulator's, not the chain estimate. If even the plan of least memory
-does not fit, the error states the least feasible budget.
+three that fit wins, so the start is never slower than uniform low precision. The memory
+of every plan tried is the simulator's, not the chain estimate. If even the plan of least
+memory does not fit, the error states the least feasible budget.
 
 Example::
 

@@ -16,9 +16,9 @@
    (:class:`~qsync_lab.simulate.PlanEvaluator`). It bisects the least-risk frontiers of
    the chain estimates (a knapsack over time, one over memory) for their best plan that
    the simulator accepts, then runs QSync's greedy (largest indicator reduction per added
-   microsecond first) from it and from the start, and keeps the plan of less risk (on
-   332 small additive instances it matched the exact optimum where the greedy alone was
-   up to 16 % off; with the estimates perturbed by 10 %, its mean gap was 0.5 %).
+   microsecond first) from it and from the start, and keeps the plan of less risk
+   (``benchmarks/allocator.py`` measures its gap to the exact optimum of
+   :mod:`~qsync_lab.allocate.exact`).
 
 Example::
 

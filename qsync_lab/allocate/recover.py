@@ -7,7 +7,7 @@ by the evaluator (a trial is a proposal: a rejected one leaves nothing behind).
    estimated time and per estimated memory (:func:`~qsync_lab.allocate.risk_frontier`,
    knapsacks over the chain estimates) are bisected for their least-risk plan that the
    evaluator accepts. This finds the knapsack optima that a greedy alone misses (on
-   additive instances the greedy was up to 16 % above the optimum).
+   additive instances the greedy alone can end well above the optimum).
 2. :func:`greedy_recover`: QSync's greedy, with its bugs fixed, fills what slack the
    estimates left (they ignore some casts and the overlap with communication, which the
    exact trials see). It runs from the frontier's plan and, if that differs, from the

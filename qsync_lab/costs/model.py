@@ -8,7 +8,7 @@ Every answer carries its source, in this order of preference:
    rows, or a cast line fitted to measured casts;
 3. ``roofline`` — the catalog's peaks and bandwidth with the initial efficiency table;
 4. ``alpha-beta:<link>`` — allreduces, from the catalog link, or from the link's measured
-   α–β fit (``link_fits``, :func:`qsync_lab.profile.read_link_fits`) when the model has one.
+   α–β fit (``link_fits``, :func:`qsync_lab.costs.read_link_fits`) when the model has one.
 
 The model is a plain frozen object: build one, pass it to the simulator; nothing global.
 

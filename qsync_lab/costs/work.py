@@ -227,7 +227,7 @@ def phase_work(work: OpWork, precisions: Sequence["Precision | str"], phase: str
     Args:
         work: from :func:`op_work`.
         precisions: per op, the precision the phase computes in (for an int8 op's
-            backward pass that is fp16, see :mod:`qsync_lab.simulate.policy`).
+            backward pass that is fp16, see :data:`qsync_lab.policy.DEFAULT_BACKWARD`).
         phase: one of :data:`PHASES`.
         batch_size: the per-rank batch size.
 

@@ -1,7 +1,7 @@
 """How well an indicator predicts real damage: the measured quality check.
 
 The ground truth comes from quantizing **one operator at a time** with the real
-mixed-precision operators (:func:`qsync_lab.runtime.apply_plan_`) and measuring, over held-out
+mixed-precision operators (:func:`qsync_lab.quant.apply_plan_`) and measuring, over held-out
 batches, against the fp32 model on the same batches and dropout masks:
 
 * ``loss_increase``: mean of ``loss_quantized − loss_fp32``;

@@ -3,10 +3,9 @@
 :func:`~qsync_lab.profile.profile_allreduce` times collectives on idle ranks that start
 together after a barrier. Inside a DDP step they run while the other rank still computes,
 on the cores that compute (gloo on CPU), and DDP's reducer and forward add their own work.
-Measured on this project's 2-core VM (2 ranks, 1 thread each): a 16-layer width-512 MLP's
-step costs 22 ms more under DDP than without, where the microbenchmark's α–β and the
-bucket copies account for about 12 ms; the simulator under-predicted real steps by 3-9 %
-(BERT-mini, ResNet-18) and 35-45 % (the digits CNN) with the microbenchmark's link.
+So DDP adds more to a step than the microbenchmark's α–β and the bucket copies account
+for, and a simulator costing allreduces with the microbenchmark's link under-predicts
+real steps.
 
 :func:`measure_ddp_overhead` runs calibration MLPs (never the models being predicted)
 in ``world_size`` spawned processes, each timed without DDP and with it, the two kinds of
@@ -14,8 +13,8 @@ step alternating in the same processes (the machine's drift over the seconds a
 measurement takes hits both alike);
 :func:`fit_ddp_link` fits what DDP added, less the bucket copies the simulator counts
 separately (3 read-write passes over the buckets: 2 to pack, 1 to unpack; the profile's
-``fp32->fp32`` line, :func:`copy_pass_us`), to the ring allreduce
-cost of the model's DDP buckets::
+``fp32->fp32`` line, :func:`copy_pass_us`), to the ring allreduce cost of the model's DDP
+buckets::
 
     ddp_us - plain_us - copies_us = α · 2(n−1) · buckets + wire_bytes / β
 
@@ -23,8 +22,8 @@ so the simulator, costing each bucket's allreduce with the fitted link, adds wha
 really adds to a step.
 
 A model with buffers (BatchNorm statistics) also has DDP broadcast them from rank 0 before
-every forward. That blocking gloo broadcast of a few KiB cost 1.3-1.6 ms per step on the
-digits CNN here, several allreduce latencies: :func:`measure_buffer_broadcast` times
+every forward. That blocking gloo broadcast of a few KiB costs several allreduce
+latencies per step: :func:`measure_buffer_broadcast` times
 calibration MLPs with BatchNorm under DDP with and without that broadcast
 (``forward_sync_buffers``) and :func:`fit_buffer_broadcast` turns the difference into a
 link of its own (:func:`broadcast_link_name`), which

@@ -9,8 +9,8 @@ op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
 1. a copy of the model with every op that takes ``precision`` set to it, as a plan or
    the follow rules would (:func:`~qsync_lab.quant.apply_op_precision_`; functional matmuls
    and linears through :func:`~qsync_lab.quant.low_precision_call`; ops the policy keeps
-   in fp32 stay fp32), plus its loss, traced
-   with torch.fx (the same op order as :func:`qsync_lab.graph.trace_graph`);
+   in fp32 stay fp32), plus its loss, traced with torch.fx (the same op order as
+   :func:`qsync_lab.graph.trace_graph`);
 2. ``warmup + steps`` training steps (``zero_grad``, forward, ``backward``, an SGD step),
    the forward run node by node: each op's call is timed, and each autograd node the op
    creates (not ``AccumulateGrad``, whose hooks are DDP's and the framework's) gets a

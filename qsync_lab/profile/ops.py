@@ -3,10 +3,10 @@
 ``profile_ops`` has two methods. ``in_step`` (the default) times each op inside real
 training steps of the whole model, one run of steps per precision
 (:mod:`qsync_lab.profile.in_step`): the times the simulator then adds up are those of a
-step, cache misses and the autograd engine's scheduling included. On this project's CPU
-their sums were within 0-6 % of a measured step's forward and of its backward (ResNet-18,
-BERT-mini), where ops timed alone missed 11-20 %. ``isolated`` times one op at a time, as
-follows, and works where an in-step time cannot be read off the host clock (CUDA).
+step, cache misses and the autograd engine's scheduling included, so their sums follow a
+measured step's forward and backward more closely than those of ops timed alone.
+``isolated`` times one op at a time, as follows, and works where an in-step time cannot be
+read off the host clock (CUDA).
 
 How one op is measured alone (``method="isolated"``):
 
@@ -29,15 +29,17 @@ How one op is measured alone (``method="isolated"``):
    The fixed cost of one ``torch.autograd.grad`` call (measured on a one-element clone,
    :func:`autograd_call_overhead_us`) is subtracted from each backward sample: a training
    step enters the autograd engine once, not once per op.
-3. Rows (both methods) are written only for the phases the simulator looks up (an op's phase with work,
-   :func:`qsync_lab.costs.phase_work`), keyed by the op FQN and its shape key at the
-   profiled batch size. A backward row's ``precision`` is the one the backward computes
-   in (``int8`` ops: ``fp16``, :mod:`qsync_lab.simulate.policy`); its ``plan_precision``
-   is the op's (``int8``), so it is never taken for an fp16 op's backward.
+3. Rows (both methods) are written only for the phases the simulator looks up (an op's
+   phase with work, :func:`qsync_lab.costs.phase_work`), keyed by the op FQN and its shape
+   key at the profiled batch size. A backward row's ``precision`` is the one the backward
+   computes in (``int8`` ops: ``fp16``, :data:`qsync_lab.policy.DEFAULT_BACKWARD`); its
+   ``plan_precision`` is the op's (``int8``), so it is never taken for an fp16 op's
+   backward.
 
 The profiling process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as the
-training ranks do. Intra-op threads are whatever ``torch.get_num_threads()`` is; profile with the threads a
-training rank will have (``torch.set_num_threads(1)`` for 2 DDP ranks on 2 cores).
+training ranks do. Intra-op threads are whatever ``torch.get_num_threads()`` is; profile
+with the threads a training rank will have (``torch.set_num_threads(1)`` for 2 DDP ranks
+on 2 cores).
 
 Example::
 

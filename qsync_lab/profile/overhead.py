@@ -4,7 +4,7 @@ An op timed alone (:func:`~qsync_lab.profile.profile_ops`) leaves out what a rea
 training step adds: a fixed cost per step (``zero_grad``, entering the autograd engine,
 the loss call, the optimizer's per-step work) and a cost per op event (one forward,
 input-gradient or weight-gradient phase: the engine scheduling a backward node, minus
-what the isolated timing over-counts — measured slightly negative on this CPU). Both are
+what the isolated timing over-counts, so it may come out negative). Both are
 fitted as a line: for a family of calibration MLPs of growing depth, the median measured
 step minus the sum of the model's profile rows, against the number of rows. The models
 are never the ones being predicted (held out), and nothing is pasted by hand.
@@ -46,9 +46,9 @@ def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int
     event, ``intercept`` µs per step. ``method``: the profile method whose rows the fit
     completes (:func:`~qsync_lab.profile.profile_ops`).
 
-    A fit with R² under ``min_r2`` was disturbed by other load on the machine (on a quiet
-    one it is above 0.99; a disturbed one read 0.50 here, with a negative per-event cost):
-    it is measured again, at most ``attempts`` times in all, and the best fit returned."""
+    A fit with R² under ``min_r2`` was disturbed by other load on the machine (a quiet one
+    gives a near-perfect line): it is measured again, at most ``attempts`` times in all,
+    and the best fit returned."""
     if attempts < 1:
         raise QSyncError(f"attempts must be at least 1, got {attempts}")
     best = None

@@ -39,7 +39,7 @@ def intra_op_threads(threads: int) -> Iterator[None]:
 
     A profile with fewer threads than its process has cores must limit Numba too: Numba's
     parallel kernels (low-precision emulation) otherwise use every core, and on a busy
-    machine their barriers wait on descheduled threads (ops measured 5x too slow).
+    machine their barriers wait on descheduled threads (and the ops measure far too slow).
     """
     import numba
 

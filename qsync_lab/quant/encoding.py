@@ -9,10 +9,10 @@ FP8 scaling (the standard FP8 training recipe, as in torchao's Float8Linear): pe
 dynamic scale ``s = amax / max_finite(format)`` (1 for an all-zero tensor), stored values
 ``x / s`` cast to the format (RNE; |x / s| exceeds the largest finite value by at most an
 fp32 rounding, which the cast rounds back), dequantized value ``v · s``. Forward operands
-use e4m3, gradients e5m2 (:data:`qsync_lab.policy.DEFAULT_BACKWARD`). The scaled cast also returns
-the values widened to fp32 (``qsync_lab.kernels.float_quantize``, one pass), which the
-emulated product reads; large saved fp8 tensors are widened by
-``qsync_lab.kernels.float_decode`` (torch's CPU fp8→fp32 cast is ~40x slower).
+use e4m3, gradients e5m2 (:data:`qsync_lab.policy.DEFAULT_BACKWARD`). The scaled cast also
+returns the values widened to fp32 (``qsync_lab.kernels.float_quantize``, one pass), which
+the emulated product reads; large saved fp8 tensors are widened by
+``qsync_lab.kernels.float_decode`` (torch's CPU fp8→fp32 cast is much slower).
 
 Example::
 
@@ -50,7 +50,7 @@ TORCH_DTYPES = {
 }
 FP8_MAX = {p: torch.finfo(TORCH_DTYPES[p]).max for p in (Precision.FP8_E4M3, Precision.FP8_E5M2)}
 _FP8_DTYPES = frozenset(TORCH_DTYPES[p] for p in FP8_MAX)
-#: elements from which a CPU kernel pass beats torch's casts (a launch costs ~20-50 µs)
+#: elements from which a CPU kernel pass beats torch's casts (a launch has a fixed cost)
 ONE_PASS_MIN = 1 << 18
 
 
@@ -155,7 +155,7 @@ def encode(
 def widen(data: torch.Tensor) -> torch.Tensor:
     """Encoded data as float32, unscaled (int8 codes as integers, fp8 values as they are)."""
     if data.dtype in _FP8_DTYPES and not data.is_cuda and data.numel() >= ONE_PASS_MIN:
-        return float_decode(data)  # the same bits as torch's cast, ~40x faster
+        return float_decode(data)  # the same bits as torch's cast, much faster
     return data.float()
 
 

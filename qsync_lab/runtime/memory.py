@@ -3,9 +3,9 @@
 On CUDA it is ``torch.cuda.max_memory_allocated`` since the window opened. On the CPU it
 comes from torch.profiler's memory events over the window. The profiler sees only the
 allocations and frees of the thread it runs on, and a tensor allocated there but freed on
-another thread (gloo's worker drops DDP's flattened broadcast buffer on about one run in
-four) would stay live forever in a running sum of the events. So while the window is open
-we also turn on c10's CPU memory accounting (``FLAGS_caffe2_report_cpu_memory_usage``),
+another thread (gloo's worker sometimes drops DDP's flattened broadcast buffer) would
+stay live forever in a running sum of the events. So while the window is open we also
+turn on c10's CPU memory accounting (``FLAGS_caffe2_report_cpu_memory_usage``),
 which counts the frees of every thread: each event then carries the process-wide live
 total, and the peak is its maximum over the window, less the total the window began with.
 Where a torch build does not export that flag, the peak falls back to the running sum of

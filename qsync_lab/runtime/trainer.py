@@ -317,7 +317,7 @@ def _process_peak_rss_bytes() -> int:
 
 
 def make_optimizer(name: str, parameters, *, lr: float, momentum: float = 0.9):
-    """The torch optimizer called ``name`` (one of :data:`~qsync_lab.costs.OPTIMIZER_STATES`).
+    """The torch optimizer called ``name`` (one of :data:`~qsync_lab.optimizers.OPTIMIZER_STATES`).
 
     Example::
 

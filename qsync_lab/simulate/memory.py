@@ -27,11 +27,11 @@ Changing over backward, which runs the ops in reverse; while op ``i``'s backward
 
 The peak is the largest sum over the ops' backward steps, and the components are those
 of that moment: deep activation-heavy models peak early in backward (activations all
-held, few gradients yet), parameter-heavy ones at its end (every gradient held). On
-2-rank CPU DDP (``benchmarks/predictor_accuracy.py``) the fp32 peaks of BERT-mini and
-ResNet-18 come out within 1 % of the measured ones (-0.3 %, +0.8 %); their bf16 peaks
-8 % low, as the CPU emulation's forward also holds each operand widened to fp32 for a
-moment (a forward transient not modelled).
+held, few gradients yet), parameter-heavy ones at its end (every gradient held).
+``benchmarks/predictor_accuracy.py`` compares these peaks with measured ones on 2-rank CPU
+DDP (``benchmarks/results/predictor_accuracy_cpu.txt``); bf16 peaks come out low there, as
+the CPU emulation's forward also holds each operand widened to fp32 for a moment (a
+forward transient not modelled).
 
 Not modelled: the CUDA context and allocator fragmentation (outside
 ``max_memory_allocated``), library workspaces (cuBLAS, cuDNN), an optimizer's

@@ -4,12 +4,12 @@ Ranks of one class (same device kind, batch size and plan) share one compute tim
 so a result stores one timeline per class and expands the per-rank event frame only
 when :attr:`SimResult.events` is first read.
 
-Trace format (:meth:`SimResult.to_perfetto`, :meth:`SimResult.write_perfetto`): ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with
-``ph: "X"`` events whose ``ts`` and ``dur`` are microseconds, ``pid`` = rank, ``tid`` =
-0 for the compute stream and 1 for the communication stream, ``ph: "M"`` metadata naming
-each process (``rank 3 (T4)``) and thread, and ``args`` holding ``fqn``, ``precision``,
-``plan_precision``, ``phase``, ``bytes`` and ``source``. Open it in https://ui.perfetto.dev
-or ``chrome://tracing``.
+Trace format (:meth:`SimResult.to_perfetto`, :meth:`SimResult.write_perfetto`):
+``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with ``ph: "X"`` events whose ``ts``
+and ``dur`` are microseconds, ``pid`` = rank, ``tid`` = 0 for the compute stream and 1
+for the communication stream, ``ph: "M"`` metadata naming each process (``rank 3 (T4)``)
+and thread, and ``args`` holding ``fqn``, ``precision``, ``plan_precision``, ``phase``,
+``bytes`` and ``source``. Open it in https://ui.perfetto.dev or ``chrome://tracing``.
 
 Example::
 

@@ -129,7 +129,7 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         costs: the cost model.
         device: the device kind.
         batch_size: the per-rank batch size.
-        ddp: DDP's work on several ranks (:func:`~qsync_lab.simulate.simulator.ddp_work`);
+        ddp: DDP's work on several ranks (:class:`~qsync_lab.simulate.sync.DdpWork`);
             None on one rank.
     """
     scale = batch_scales(work, batch_size)

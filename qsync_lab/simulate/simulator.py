@@ -77,7 +77,7 @@ def simulate(graph: "OpGraph | PreparedGraph", plan: "Plan | Mapping[str, KindPl
             plan's own cluster).
         costs: the cost model (default: :class:`CostModel`'s roofline).
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw`` (default: the plan's,
-            else :data:`~qsync_lab.costs.DEFAULT_OPTIMIZER`).
+            else :data:`~qsync_lab.optimizers.DEFAULT_OPTIMIZER`).
         bucket_cap_mb: DDP's ``bucket_cap_mb`` (None: DDP's default); for a prepared graph
             leave it None (the buckets are already built).
 
@@ -168,8 +168,8 @@ def _finish_iteration(line: ComputeTimeline, replay: AllreduceReplay, index: int
     tail = [(f"optimizer:{optimizer}", "optimizer", "optimizer", step, param_bytes)]
     if unpack is not None:
         tail.insert(0, ("ddp:unpack", "ddp", "backward", unpack, param_bytes))
-    tail_start = [begin_us] if unpack is None else [begin_us, begin_us + unpack.us]  # as
-    # tail_end_us adds them
+    # the step starts when the unpack ends, added as tail_end_us adds them
+    tail_start = [begin_us] if unpack is None else [begin_us, begin_us + unpack.us]
     return StreamEvents(
         e.op + tuple(t[0] for t in tail), e.fqn + ("",) * len(tail),
         e.category + tuple(t[1] for t in tail), e.phase + tuple(t[2] for t in tail),
