@@ -39,6 +39,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from qsync_lab.cluster import Cluster, cluster_from_definition, list_clusters, load_cluster
+from qsync_lab.compress.spec import CompressionSettings
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_text
 from qsync_lab.optimizers import OPTIMIZER_STATES
@@ -81,7 +82,8 @@ class Plan:
             (:mod:`qsync_lab.policy`: fp32 for plannable kinds).
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``: what the run trains
             with, and what the memory model counts.
-        compression: gradient compression settings (empty: plain fp32 allreduce).
+        compression: gradient compression, parameter FQN pattern -> spec
+            (:class:`~qsync_lab.compress.CompressionSettings`; empty: plain fp32 allreduce).
         strategy: which allocator made the plan.
         model_name: the zoo model planned for, if any (the runtime builds it from this).
         model_kwargs: the zoo model's keyword arguments.
@@ -101,18 +103,22 @@ class Plan:
         if self.optimizer not in OPTIMIZER_STATES:
             raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
                              f"{', '.join(OPTIMIZER_STATES)}")
+        CompressionSettings.parse(_thawed(self.compression))  # checked: one-line errors
 
     @classmethod
     def build(cls, graph: "OpGraph", cluster: Cluster, precisions: Mapping[str, KindPlan], *,
               strategy: str = "", optimizer: str = "sgd_momentum",
-              compression: Mapping[str, Any] | None = None, model_name: str = "",
+              compression: "CompressionSettings | str | Mapping | None" = None,
+              model_name: str = "",
               model_kwargs: Mapping[str, Any] | None = None) -> "Plan":
         """A plan for ``graph`` on ``cluster`` (its batch sizes), checked against both.
 
         ``precisions`` may name device kinds by any catalog alias and give each op a
         precision name, an :class:`~qsync_lab.policy.OpPrecision` or its mapping; every
-        cluster kind gets an entry (empty: all fp32). ``model_name``/``model_kwargs`` name
-        the zoo model so that ``qsync-lab run`` can build it.
+        cluster kind gets an entry (empty: all fp32). ``compression``: a spec for every
+        parameter (``"global_qsgd:8"``) or a mapping pattern -> spec
+        (:class:`~qsync_lab.compress.CompressionSettings`). ``model_name``/``model_kwargs``
+        name the zoo model so that ``qsync-lab run`` can build it.
         """
         names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
         plan = cls(
@@ -122,7 +128,8 @@ class Plan:
             precisions=_frozen({kind: {fqn: OpPrecision.parse(p) for fqn, p in
                                        names.get(kind, {}).items()}
                                 for kind in cluster.device_kinds}),
-            optimizer=optimizer, compression=_frozen_data(compression or {}),
+            optimizer=optimizer,
+            compression=_frozen_data(CompressionSettings.parse(compression).to_dict()),
             strategy=strategy, model_name=model_name,
             model_kwargs=_frozen_data(model_kwargs or {}))
         plan.validate(graph, cluster)
@@ -137,6 +144,11 @@ class Plan:
         """The cluster the plan is for, with the plan's per-rank batch sizes."""
         return self.apply_to(cluster_from_definition(_thawed(self.cluster_definition),
                                                      origin="the plan's cluster"))
+
+    @property
+    def compression_settings(self) -> CompressionSettings:
+        """The compression section as settings (empty: none)."""
+        return CompressionSettings.parse(_thawed(self.compression))
 
     @property
     def cluster_name(self) -> str:
@@ -200,6 +212,12 @@ class Plan:
         from qsync_lab.policy import validate_plan
 
         validate_plan(self.precisions, op_work(graph), cluster.device_kinds, cluster.catalog)
+        unknown = [pattern for pattern, _ in self.compression_settings.rules
+                   if pattern != "_default" and not pattern.startswith("re:")
+                   and pattern not in graph.params.index]
+        if unknown:
+            raise QSyncError(f"the plan compresses parameter {unknown[0]!r}, which the model "
+                             "does not have; name parameters as model.named_parameters() does")
 
     def to_dict(self) -> dict[str, Any]:
         """The versioned JSON document as plain Python objects."""
@@ -258,7 +276,8 @@ class Plan:
                                                 for fqn, cfg in ops.items()}
                                     for kind, ops in data["precisions"].items()}),
                 optimizer=str(data["optimizer"]),
-                compression=_frozen_data(dict(data["compression"])),
+                compression=_frozen_data(
+                    CompressionSettings.parse(data["compression"] or None).to_dict()),
                 strategy=str(data["strategy"]), model_name=str(model.get("name", "")),
                 model_kwargs=_frozen_data(dict(model.get("kwargs", {}))))
         except QSyncError as err:

@@ -138,7 +138,8 @@ class Study:
         return self._indicators[wanted]
 
     def plan(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
-             throughput_target: float | None = None, strategy: str = "qsync") -> Plan:
+             throughput_target: float | None = None, strategy: str = "qsync",
+             compression=None) -> Plan:
         """A plan from ``strategy`` (``qsync``, ``uniform-low``, ``dynamic-batching``,
         ``joint``, ``fp32``) under the constraints.
 
@@ -147,6 +148,9 @@ class Study:
                 kind (default: each device's memory).
             throughput_target: the least samples/s (default: the fastest kind at fp32 sets
                 the pace).
+            compression: gradient compression for the run: a spec (``"global_qsgd:8"``) or
+                a mapping parameter pattern -> spec (:mod:`qsync_lab.compress`); the
+                allocation costs its communication.
         """
         from qsync_lab.allocate import STRATEGIES
 
@@ -155,7 +159,7 @@ class Study:
                              f"{', '.join(STRATEGIES)}")
         plan = STRATEGIES[strategy](self.prepared, self.cluster, self.costs, self.indicator(),
                                     self._constraints(memory_limit, throughput_target),
-                                    optimizer=self.optimizer)
+                                    optimizer=self.optimizer, compression=compression)
         return plan.for_model(self.zoo_name, self.model_kwargs) if self.zoo_name else plan
 
     def simulate(self, plan: Plan | None = None):
@@ -168,13 +172,15 @@ class Study:
         return simulate(self.prepared, plan, self.cluster, self.costs)
 
     def compare(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
-                throughput_target: float | None = None) -> pd.DataFrame:
-        """Every strategy side by side (:func:`~qsync_lab.allocate.compare_strategies`)."""
+                throughput_target: float | None = None,
+                compressions: Sequence = ()) -> pd.DataFrame:
+        """Every strategy side by side, and the qsync plan with each of ``compressions``
+        (:func:`~qsync_lab.allocate.compare_strategies`)."""
         from qsync_lab.allocate import compare_strategies
 
         return compare_strategies(self.prepared, self.cluster, self.costs, self.indicator(),
                                   self._constraints(memory_limit, throughput_target),
-                                  optimizer=self.optimizer)
+                                  optimizer=self.optimizer, compressions=compressions)
 
     def profile(self, out: "str | os.PathLike[str]", *, repeats: int = 5, threads: int = 1,
                 precisions: Sequence["Precision | str"] | None = None):

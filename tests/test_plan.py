@@ -30,7 +30,7 @@ def cluster():
 @pytest.fixture
 def plan(graph, cluster):
     return Plan.build(graph, cluster, {"T4": {"0": "int8", "2": "fp16"}}, strategy="test",
-                      optimizer="adamw", compression={"default": {"method": "qsgd", "bits": 8}})
+                      optimizer="adamw", compression={"0.weight": "cgx:4", "_default": "qsgd:8"})
 
 
 def test_round_trip(plan, graph, cluster, tmp_path):
@@ -45,6 +45,9 @@ def test_round_trip(plan, graph, cluster, tmp_path):
     assert document["_data"]["precisions"]["T4"]["0"] == {
         "forward": "int8", "backward": "fp16", "rounding": "nearest", "granularity": "tensor"}
     assert document["_data"]["optimizer"] == "adamw"
+    assert document["_data"]["compression"] == {"0.weight": {"method": "cgx", "bits": 4},
+                                                "_default": {"method": "qsgd"}}
+    assert str(loaded.compression_settings) == "cgx:4 for 0.weight, qsgd:8"
     assert loaded.low_precision_ops() == {"V100-SXM2-32GB": 0, "T4": 2}
 
 
@@ -142,6 +145,12 @@ def _edited(plan, tmp_path, edit):
     return path
 
 
+def test_compression_of_a_parameter_the_model_lacks(plan, graph, cluster, tmp_path):
+    path = _edited(plan, tmp_path, lambda d: d["_data"]["compression"].update(
+        {"fc9.weight": {"method": "fp16"}}))
+    _one_line_error(path, "compresses parameter 'fc9.weight'", graph=graph, cluster=cluster)
+
+
 def test_unknown_fqn(plan, graph, cluster, tmp_path):
     path = _edited(plan, tmp_path,
                    lambda d: d["_data"]["precisions"]["T4"].update({"9": "fp16"}))
@@ -169,6 +178,10 @@ def test_world_size_mismatch(plan, graph, tmp_path):
     (lambda d: d["_data"].update({"optimizer": "lamb"}), "unknown optimizer 'lamb'"),
     (lambda d: d["_data"]["ranks"][0].update({"batch_size": 16.5}), "expected an integer"),
     (lambda d: d.update({"_version": True}), "invalid _version"),
+    (lambda d: d["_data"].update({"compression": {"_default": "zip"}}),
+     "unknown compression method 'zip'"),
+    (lambda d: d["_data"].update({"compression": {"_default": {"method": "cgx", "bits": 9}}}),
+     "compression cgx: bits must be 1..8, got 9"),
 ])
 def test_malformed_documents(plan, tmp_path, edit, match):
     _one_line_error(_edited(plan, tmp_path, edit), match)

@@ -150,6 +150,12 @@ class _Run:
         self.graph = graph
         model = model.to(self.device)
         self.ddp = DistributedDataParallel(model, device_ids=[self.device] if self.cuda else None)
+        self.compression = None
+        if self.plan.compression_settings:
+            from qsync_lab.compress import register_compression
+
+            self.compression = register_compression(self.ddp, self.plan.compression_settings,
+                                                    seed=self.config.seed)
         self.optimizer = make_optimizer(self.optimizer_name, self.ddp.parameters(),
                                         lr=self.config.lr, momentum=self.config.momentum)
 
@@ -166,11 +172,14 @@ class _Run:
         self.ddp.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rounding_counters(self.ddp.module, state["rounding"][self.rank])
+        if self.compression is not None:
+            self.compression.calls = int(state["compression_calls"][self.rank])
         restore_rng_state(state["rng"][self.rank])
         return int(state["step"])
 
     def _checkpoint(self, step: int) -> None:
-        mine = (capture_rng_state(), rounding_counters(self.ddp.module))
+        mine = (capture_rng_state(), rounding_counters(self.ddp.module),
+                self.compression.calls if self.compression is not None else 0)
         gathered = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if self.rank == 0:
@@ -178,6 +187,7 @@ class _Run:
                 "step": step, "model": self.ddp.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "plan": self.plan.to_dict(),
                 "rng": [g[0] for g in gathered], "rounding": [g[1] for g in gathered],
+                "compression_calls": [g[2] for g in gathered],
                 "config": {k: v for k, v in vars(self.config).items()}})
 
     def _step(self, step: int) -> tuple[float, float]:
@@ -230,17 +240,21 @@ class _Run:
                             dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)  # on the rank's device: NCCL gathers CUDA tensors
+        telemetry = self.compression.telemetry() if self.compression is not None else None
         if log is None:
             return
         ranks = torch.stack(gathered).cpu()
         slowest_ms = float(ranks[:, 0].max())
         global_loss = float(sum(b * ranks[r, 1] for r, b in enumerate(self.batch_sizes))
                             / sum(self.batch_sizes))
-        log.write({"step": step, "loss": global_loss,
-                   "step_ms": [round(float(t), 4) for t in ranks[:, 0]],
-                   "throughput_samples_per_s": sum(self.batch_sizes) / (slowest_ms / 1e3),
-                   "process_peak_rss_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
-                   "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+        record = {"step": step, "loss": global_loss,
+                  "step_ms": [round(float(t), 4) for t in ranks[:, 0]],
+                  "throughput_samples_per_s": sum(self.batch_sizes) / (slowest_ms / 1e3),
+                  "process_peak_rss_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
+                  "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        if telemetry is not None:  # rank 0's: its own gradients' compression
+            record["compression"] = telemetry
+        log.write(record)
 
     def _write_rank_file(self) -> None:
         atomic_write_text(self.run_dir / "ranks" / f"rank{self.rank}.json",

@@ -1,0 +1,91 @@
+"""APS: a power-of-two scale per parameter shared by all ranks, fp8 codes, summed in fp32.
+
+1. each rank's exponent ``ceil(log2(max |world · g|))`` per parameter (one int32 each) is
+   all-reduced (MAX): the largest the sum of the ranks' values can reach;
+2. each parameter is multiplied by ``2**shift`` with ``shift = bias(format) - exponent``
+   (exact), which puts the sum just under the format's top binade and lifts small values
+   away from underflow, and rounded to fp8 (``fp8_e5m2`` or ``fp8_e4m3``, nearest even);
+3. the one-byte codes are all-gathered, widened and summed in fp32, then scaled back by
+   ``2**-shift`` and divided by the world size.
+
+Rounding to nearest is biased: error feedback (``error_feedback=True``) carries each
+parameter's rounding error into its next gradient. APS's reference sums in the low
+format; summing the widened codes in fp32 adds no error of its own.
+"""
+
+import math
+
+import torch
+
+from qsync_lab.compress.codec import Encoded, Wire, check_finite
+from qsync_lab.kernels import APS_ZERO_EXPONENT, aps_shift, float_decode, float_quantize
+
+__all__ = ["encode", "reduce", "wire"]
+
+_FORMATS = {"fp8_e5m2": (5, 2), "fp8_e4m3": (4, 3)}
+_DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
+_NONFINITE_EXPONENT = 2**30  # above any finite exponent: marks a rank's non-finite gradient
+
+
+def _exponents(x: torch.Tensor, segments, world: int) -> torch.Tensor:
+    """Per segment, ``ceil(log2(max |world · x|))`` (APS_ZERO_EXPONENT if all zero)."""
+    out = torch.empty(len(segments), dtype=torch.int32)
+    for k, (start, numel) in enumerate(segments):
+        part = x[start:start + numel]
+        amax = float(part.abs().max()) if numel else 0.0
+        if amax != amax or amax == float("inf"):
+            out[k] = _NONFINITE_EXPONENT
+        elif amax == 0:
+            out[k] = APS_ZERO_EXPONENT
+        else:
+            mantissa, exponent = math.frexp(amax * world)
+            out[k] = exponent if mantissa > 0.5 else exponent - 1
+    return out
+
+
+def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
+    exponents = comm.allreduce_max(_exponents(x, segments, comm.world))
+    check_finite(torch.where(exponents == _NONFINITE_EXPONENT, float("inf"), 0.0),
+                 "an aps bucket")
+    fmt = _FORMATS[spec.format]
+    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    scales = []
+    for (start, numel), exponent in zip(segments, exponents.tolist()):
+        # an all-zero parameter on every rank has nothing to scale (its shift would
+        # underflow a float32 scale)
+        scale = 1.0 if exponent == APS_ZERO_EXPONENT else 2.0 ** -aps_shift(exponent, fmt)
+        quantized = float_quantize(x[start:start + numel], spec.format, scale=scale)
+        codes[start:start + numel] = quantized.codes.view(torch.uint8)
+        scales.append(scale)
+    context = (segments, scales)
+    return Encoded(codes, context, _decoded(codes, context, spec) if own else None)
+
+
+def _widened(codes: torch.Tensor, spec) -> torch.Tensor:
+    return float_decode(codes.view(_DTYPES[spec.format]))
+
+
+def _scaled(values: torch.Tensor, context, divisor: float = 1.0) -> torch.Tensor:
+    """``values`` times each segment's ``2**-shift``, over ``divisor``, in place."""
+    segments, scales = context
+    for (start, numel), scale in zip(segments, scales):
+        values[start:start + numel] *= scale / divisor
+    return values
+
+
+def _decoded(codes: torch.Tensor, context, spec) -> torch.Tensor:
+    return _scaled(_widened(codes, spec), context)
+
+
+def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
+    """The ranks' codes widened and summed in fp32 (the shifts are shared: scaled once)."""
+    total = None
+    for codes in comm.all_gather(encoded.payload):
+        value = _widened(codes, spec)
+        total = value if total is None else total.add_(value)
+    return _scaled(total, encoded.context, comm.world)
+
+
+def wire(numel: int, segments, spec, world: int) -> Wire:
+    return Wire("allgather", float(numel), 4.0 * len(segments), 4 + 4 + 1 + world * (1 + 4 + 4))
+

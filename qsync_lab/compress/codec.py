@@ -1,0 +1,100 @@
+"""What every compression method provides, and the shared pieces of their payloads.
+
+A method (one module each: :mod:`~qsync_lab.compress.fp16`, :mod:`~qsync_lab.compress.global_qsgd`,
+:mod:`~qsync_lab.compress.aps`, :mod:`~qsync_lab.compress.cgx`, :mod:`~qsync_lab.compress.qsgd`)
+has three functions over one flat float32 gradient ``x`` holding one or more parameters
+(``segments``: their ``(start, numel)``):
+
+* ``encode(x, segments, spec, comm, seed) -> Encoded``: this rank's payload (a scale
+  all-reduce first where the method has one);
+* ``reduce(encoded, spec, comm) -> Tensor``: the collective and the decode: the mean over
+  the ranks as the method computes it;
+* ``wire(numel, segments, spec, world) -> Wire``: what goes over the wire, for the
+  simulator.
+
+``Encoded.own`` is this rank's gradient as the method compresses it (for error feedback and
+the telemetry's relative error). A rank whose gradient holds NaN or Inf marks its payload
+(:data:`NONFINITE`), every rank sees the mark after the collective, and every rank raises
+:class:`NonFiniteGradient`: the ranks stop together, nothing is averaged silently.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qsync_lab.errors import QSyncError
+
+__all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "check_finite", "pack", "unpack"]
+
+#: the value a rank puts in its scale when its gradient is not finite
+NONFINITE = float("inf")
+
+
+class NonFiniteGradient(QSyncError):
+    """A gradient holds NaN or Inf on some rank; every rank raises it for the same bucket."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One rank's payload and what decoding it needs.
+
+    Attributes:
+        payload: the tensor the collective carries.
+        context: whatever the method's ``reduce`` needs besides it (scales, shifts).
+        own: this rank's gradient as compressed (None when nobody asked for it).
+    """
+
+    payload: torch.Tensor
+    context: Any
+    own: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One method's traffic for one bucket group, per rank.
+
+    Attributes:
+        collective: ``"allreduce"`` (codes summed in the collective) or ``"allgather"``.
+        payload_bytes: bytes of the tensor the collective carries.
+        scale_sync_bytes: bytes of the all-reduce(MAX) before it (0: none).
+        touched_bytes: bytes the encode and the decode read and write, per element of the
+            gradient (for a roofline of their time where nothing was measured).
+    """
+
+    collective: str
+    payload_bytes: float
+    scale_sync_bytes: float
+    touched_bytes: float
+
+
+def check_finite(flags: torch.Tensor, what: str) -> None:
+    """Raise :class:`NonFiniteGradient` if any rank marked its payload (``flags`` after the
+    collective, on every rank alike)."""
+    if not bool(torch.isfinite(flags).all()):
+        raise NonFiniteGradient(f"a gradient of {what} holds NaN or Inf on some rank; the "
+                                "step is stopped on every rank (lower the learning rate, or "
+                                "check the data and the loss)")
+
+
+def pack(*parts: torch.Tensor) -> torch.Tensor:
+    """Tensors as one flat uint8 tensor (an all-gather carries one tensor per rank)."""
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
+
+
+def unpack(data: torch.Tensor, *layout: tuple[torch.dtype, int]) -> list[torch.Tensor]:
+    """The tensors :func:`pack` joined: ``layout`` is ``(dtype, numel)`` per part.
+
+    Example::
+
+        >>> parts = unpack(pack(torch.tensor([1.5]), torch.tensor([7], dtype=torch.int8)),
+        ...                (torch.float32, 1), (torch.int8, 1))
+        >>> [p.tolist() for p in parts]
+        [[1.5], [7]]
+    """
+    out, start = [], 0
+    for dtype, numel in layout:
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        out.append(data[start:start + size].view(dtype))
+        start += size
+    return out

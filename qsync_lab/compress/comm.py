@@ -1,0 +1,65 @@
+"""Blocking collectives on the compressors' own process group, timed and counted.
+
+A compressed reduction runs on one sender thread per hook state (:mod:`qsync_lab.compress.hook`),
+which issues every collective of every bucket in bucket order, so all ranks issue them in
+the same order. :class:`Comm` counts the time spent in collectives and the bytes this rank
+sends: ``2(n-1)/n`` of the tensor for a ring allreduce, ``n-1`` times it for an all-gather.
+
+Example::
+
+    >>> import torch, torch.distributed as dist, tempfile
+    >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}",
+    ...                         rank=0, world_size=1)
+    >>> comm = Comm(None)
+    >>> comm.allreduce_sum(torch.ones(4)).tolist(), comm.world, comm.sent_bytes
+    ([1.0, 1.0, 1.0, 1.0], 1, 0.0)
+    >>> dist.destroy_process_group()
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm"]
+
+
+class Comm:
+    """Blocking collectives on ``group`` (None: the default group).
+
+    Attributes:
+        world, rank: the group's size and this rank's index in it.
+        seconds: time spent in collectives so far.
+        sent_bytes: bytes this rank sent so far (ring allreduce, ring all-gather).
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.seconds = 0.0
+        self.sent_bytes = 0.0
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        return self._run(tensor, 2 * (self.world - 1) / self.world, dist.all_reduce, tensor,
+                         op=dist.ReduceOp.SUM, group=self.group)
+
+    def allreduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``tensor`` over the ranks, in place."""
+        return self._run(tensor, 2 * (self.world - 1) / self.world, dist.all_reduce, tensor,
+                         op=dist.ReduceOp.MAX, group=self.group)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.world)]
+        self._run(tensor, self.world - 1, dist.all_gather, gathered, tensor, group=self.group)
+        return gathered
+
+    def _run(self, tensor: torch.Tensor, sent: float, collective, *args, **kwargs):
+        begin = time.perf_counter()
+        if self.world > 1:
+            collective(*args, **kwargs)
+        self.seconds += time.perf_counter() - begin
+        self.sent_bytes += sent * tensor.numel() * tensor.element_size()
+        return args[0] if collective is not dist.all_gather else args[0]

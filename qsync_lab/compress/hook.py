@@ -1,0 +1,294 @@
+"""The DDP comm hook: compress each bucket's gradients as their parameters' specs say.
+
+:func:`register_compression` attaches :func:`compression_hook` to a DDP model. For each
+bucket the hook looks its parameters up by FQN (``bucket.parameters()`` and the model's
+parameter names, never ``bucket.index()``, which changes when DDP rebuilds its buckets),
+splits the bucket into groups of parameters that share a spec (None: a plain fp32
+allreduce of the mean), and returns a future at once. One sender thread per state then
+runs each bucket's groups in bucket order: encode (with the error-feedback residual added
+when the spec asks for it), the method's collectives on the compressors' own process group,
+decode, and the mean written back into the bucket, which completes the future.
+
+Why a sender thread rather than chaining the collectives with ``Future.then``: the
+scale-synchronising methods need two collectives per bucket (the MAX, then the codes),
+and a collective issued from a ``then`` callback runs on whichever thread completed the
+previous one, so ranks can issue the buckets' collectives in different orders (gloo then
+mismatches them; PowerSGD's hook crashes gloo this way at three ranks). One thread that
+takes the buckets in DDP's order issues every collective in the same order on every rank,
+and the hook itself never waits.
+
+Telemetry (:meth:`CompressionState.telemetry`): per method, the relative error of this
+rank's compressed gradient ``||Q(g) - g|| / ||g||``, the bits per element on the wire and
+the time spent encoding, communicating and decoding.
+
+Example::
+
+    >>> import torch, torch.distributed as dist, tempfile
+    >>> from torch.nn.parallel import DistributedDataParallel as DDP
+    >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}",
+    ...                         rank=0, world_size=1)
+    >>> model = DDP(torch.nn.Linear(64, 64))
+    >>> state = register_compression(model, "global_qsgd:8")
+    >>> model(torch.randn(8, 64)).sum().backward()
+    >>> sorted(state.telemetry())
+    ['fp32', 'global_qsgd']
+    >>> state.close(); dist.destroy_process_group()
+"""
+
+import queue
+import threading
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qsync_lab.compress import aps, cgx, fp16, global_qsgd, qsgd
+from qsync_lab.compress.comm import Comm
+from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
+
+__all__ = ["CompressionState", "compression_hook", "method_module", "register_compression"]
+
+_MODULES = {"fp16": fp16, "bf16": fp16, "global_qsgd": global_qsgd, "aps": aps, "cgx": cgx,
+            "qsgd": qsgd}
+_FP32 = "fp32"
+
+
+def method_module(spec: CompressionSpec):
+    """The module that implements ``spec``'s method (``encode``, ``reduce``, ``wire``)."""
+    return _MODULES[spec.method]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Parameters of one bucket that share a spec: their FQNs and ``(start, numel)`` slices
+    of the bucket, in bucket order."""
+
+    spec: CompressionSpec | None
+    names: tuple[str, ...]
+    slices: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.slices)
+
+
+def bucket_groups(names: list[str], params: list[torch.Tensor],
+                  settings: CompressionSettings) -> tuple[Group, ...]:
+    """A bucket's parameters grouped by spec, uncompressed first, then by spec key."""
+    by_spec: dict[str, list] = defaultdict(list)
+    specs: dict[str, CompressionSpec | None] = {}
+    start = 0
+    for name, param in zip(names, params):
+        spec = settings.spec_for(name, numel=param.numel(), ndim=param.dim())
+        key = "" if spec is None else spec.key
+        specs[key] = spec
+        by_spec[key].append((name, (start, param.numel())))
+        start += param.numel()
+    return tuple(Group(specs[key], tuple(n for n, _ in members), tuple(s for _, s in members))
+                 for key, members in sorted(by_spec.items()))
+
+
+class _Stats:
+    """Telemetry of one method since the last read."""
+
+    def __init__(self) -> None:
+        self.elements = 0
+        self.error_sq = 0.0
+        self.norm_sq = 0.0
+        self.wire_bits = 0.0
+        self.encode_s = self.comm_s = self.decode_s = 0.0
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"elements": self.elements,
+                "relative_error": ((self.error_sq / self.norm_sq) ** 0.5
+                                   if self.norm_sq > 0 else None),
+                "bits_per_element": self.wire_bits / self.elements if self.elements else None,
+                "encode_ms": 1e3 * self.encode_s, "comm_ms": 1e3 * self.comm_s,
+                "decode_ms": 1e3 * self.decode_s}
+
+
+class CompressionState:
+    """The hook's state: settings, parameter names, residuals, telemetry, sender thread.
+
+    Args:
+        model: the DDP model's module (its parameter names key the settings).
+        settings: a spec for every parameter, or a mapping pattern -> spec
+            (:class:`~qsync_lab.compress.spec.CompressionSettings`).
+        process_group: the group the compressors' collectives run on (default: a new group
+            of DDP's backend, so that they never interleave with DDP's own).
+        seed: stochastic rounding streams (each rank and bucket call draws its own).
+        telemetry: measure each bucket's compression error (one extra pass over it).
+    """
+
+    def __init__(self, model: nn.Module, settings, *, process_group=None, seed: int = 0,
+                 telemetry: bool = True) -> None:
+        self.settings = CompressionSettings.parse(settings)
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        group = process_group if process_group is not None else dist.new_group(
+            backend=dist.get_backend())
+        self.comm = Comm(group)
+        self.seed, self.record = seed, telemetry
+        self.calls = 0
+        self.residuals: dict[str, torch.Tensor] = {}
+        self._layouts: dict[tuple[int, ...], tuple[Group, ...]] = {}
+        self._stats: dict[str, _Stats] = defaultdict(_Stats)
+        self._failed: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def groups(self, bucket: dist.GradBucket) -> tuple[Group, ...]:
+        """The bucket's parameter groups (cached by the bucket's parameters)."""
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        if key not in self._layouts:
+            self._layouts[key] = bucket_groups([self.names[id(p)] for p in params], params,
+                                               self.settings)
+        return self._layouts[key]
+
+    def submit(self, buffer: torch.Tensor, groups: tuple[Group, ...]) -> torch.futures.Future:
+        """Queue one bucket for the sender thread; its future holds the averaged buffer."""
+        future: torch.futures.Future = torch.futures.Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="qsync-compress",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put((buffer, groups, future))
+        return future
+
+    def telemetry(self, reset: bool = True) -> dict[str, dict[str, float | None]]:
+        """Per method since the last read: elements, relative error, bits per element on
+        the wire, encode/comm/decode milliseconds."""
+        with self._lock:
+            out = {method: stats.as_dict() for method, stats in sorted(self._stats.items())}
+            if reset:
+                self._stats.clear()
+        return out
+
+    def close(self) -> None:
+        """Stop the sender thread (after the buckets already queued)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            buffer, groups, future = item
+            if self._failed is not None:  # every rank failed at the same bucket
+                future.set_exception(self._failed)
+                continue
+            try:
+                if buffer.is_cuda:
+                    torch.cuda.set_device(buffer.device)
+                for group in groups:
+                    self._reduce_group(buffer, group)
+                future.set_result(buffer)
+            except BaseException as err:  # noqa: BLE001 - handed to DDP through the future
+                self._failed = err
+                future.set_exception(err)
+
+    def _reduce_group(self, buffer: torch.Tensor, group: Group) -> None:
+        whole = len(group.slices) == 1 or _contiguous(group.slices)
+        first, numel = group.slices[0][0], group.numel
+        x = (buffer[first:first + numel] if whole
+             else torch.cat([buffer[s:s + n] for s, n in group.slices]))
+        comm, spec = self.comm, group.spec
+        if spec is None:
+            begin = comm.seconds
+            comm.allreduce_sum(x.div_(comm.world))
+            self._count(_FP32, numel, 32.0 * numel, 0.0, comm.seconds - begin, 0.0)
+        else:
+            x = self._mean(x, group)
+        if not whole:
+            offset = 0
+            for start, n in group.slices:
+                buffer[start:start + n].copy_(x[offset:offset + n])
+                offset += n
+
+    def _mean(self, x: torch.Tensor, group: Group) -> torch.Tensor:
+        spec, comm, module = group.spec, self.comm, method_module(group.spec)
+        segments = _segments(group)
+        if spec.error_feedback:
+            for name, (start, n) in zip(group.names, segments):
+                if name in self.residuals:
+                    x[start:start + n] += self.residuals[name]
+        seed = zlib.crc32(f"{self.seed}:{comm.rank}:{self.calls}".encode()) & (2**62 - 1)
+        self.calls += 1
+        own = spec.error_feedback or self.record
+        begin, comm_begin = time.perf_counter(), comm.seconds
+        encoded = module.encode(x, segments, spec, comm, seed, own=own)
+        encode_s = time.perf_counter() - begin - (comm.seconds - comm_begin)
+        if encoded.own is not None:
+            if spec.error_feedback:
+                for name, (start, n) in zip(group.names, segments):
+                    self.residuals[name] = x[start:start + n] - encoded.own[start:start + n]
+            error_sq = float((encoded.own - x).double().square().sum())
+            norm_sq = float(x.double().square().sum())
+        begin, comm_mid = time.perf_counter(), comm.seconds
+        mean = module.reduce(encoded, spec, comm)
+        comm_s = comm.seconds - comm_begin
+        decode_s = time.perf_counter() - begin - (comm.seconds - comm_mid)
+        wire = module.wire(x.numel(), segments, spec, comm.world)
+        self._count(spec.method, x.numel(), 8 * (wire.payload_bytes + wire.scale_sync_bytes),
+                    encode_s, comm_s, decode_s,
+                    *((error_sq, norm_sq) if encoded.own is not None else (0.0, 0.0)))
+        return x.copy_(mean)
+
+    def _count(self, method: str, elements: int, wire_bits: float, encode_s: float,
+               comm_s: float, decode_s: float, error_sq: float = 0.0,
+               norm_sq: float = 0.0) -> None:
+        with self._lock:
+            stats = self._stats[method]
+            stats.elements += elements
+            stats.wire_bits += wire_bits
+            stats.encode_s += encode_s
+            stats.comm_s += comm_s
+            stats.decode_s += decode_s
+            stats.error_sq += error_sq
+            stats.norm_sq += norm_sq
+
+
+def _contiguous(slices) -> bool:
+    return all(a + n == b for (a, n), (b, _) in zip(slices, slices[1:]))
+
+
+def _segments(group: Group) -> list[tuple[int, int]]:
+    """The group's slices as ``(start, numel)`` in its own flat tensor."""
+    out, start = [], 0
+    for _, n in group.slices:
+        out.append((start, n))
+        start += n
+    return out
+
+
+def compression_hook(state: CompressionState,
+                     bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket's mean over the ranks, each group compressed by its spec.
+
+    Returns at once; the future completes when the sender thread has reduced the bucket.
+    """
+    return state.submit(bucket.buffer(), state.groups(bucket))
+
+
+def register_compression(ddp_model, settings, *, process_group=None, seed: int = 0,
+                         telemetry: bool = True) -> CompressionState:
+    """Compress ``ddp_model``'s gradient communication as ``settings`` say; its state.
+
+    Call it on every rank, after wrapping the model in DDP and before the first backward.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model.
+        settings: a :class:`~qsync_lab.compress.spec.CompressionSpec` or its short form
+            (``"global_qsgd:8"``) for every parameter, or a mapping from parameter FQN
+            patterns (exact, ``re:...``, ``_default``) to specs or None.
+        process_group, seed, telemetry: see :class:`CompressionState`.
+    """
+    state = CompressionState(ddp_model.module, settings, process_group=process_group,
+                             seed=seed, telemetry=telemetry)
+    ddp_model.register_comm_hook(state, compression_hook)
+    return state

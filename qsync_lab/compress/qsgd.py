@@ -1,0 +1,48 @@
+"""QSGD: each rank's values scaled by its own L2 norm to ``s`` stochastic levels, all-gathered.
+
+``s = 2**(bits-1) - 1`` levels on each side of zero, codes ``round_stochastic(x s / ||x||)``
+as int8 (``qsync_lab.kernels.qsgd_encode``): unbiased, with a per-element variance of at
+most ``(||x|| / s)**2 / 4``. The ranks' scales differ, so the codes cannot be summed in
+the collective: each rank's codes and norm are all-gathered and decoded one by one. Kept
+as the reference the other methods are compared with.
+"""
+
+import math
+
+import torch
+
+from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, pack, unpack
+from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_encode
+
+__all__ = ["encode", "levels", "reduce", "wire"]
+
+
+def levels(spec) -> int:
+    """Levels on each side of zero: ``2**(bits-1) - 1``."""
+    return 2 ** (spec.bits - 1) - 1
+
+
+def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
+    finite = bool(torch.isfinite(x).all())
+    norm = l2norm(x) if finite else NONFINITE
+    if finite and math.isfinite(norm):
+        codes = qsgd_encode(x, levels(spec), seed=seed, norm=norm).codes
+    else:
+        codes, norm = torch.zeros(x.numel(), dtype=torch.int8), NONFINITE
+    payload = pack(torch.tensor([norm], dtype=torch.float32), codes)
+    return Encoded(payload, codes.numel(),
+                   qsgd_decode(codes, norm, levels(spec)) if own and finite else None)
+
+
+def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
+    total = None
+    for data in comm.all_gather(encoded.payload):
+        norm, codes = unpack(data, (torch.float32, 1), (torch.int8, encoded.context))
+        check_finite(norm, "a qsgd bucket")
+        value = qsgd_decode(codes, float(norm), levels(spec))
+        total = value if total is None else total.add_(value)
+    return total.div_(comm.world)
+
+
+def wire(numel: int, segments, spec, world: int) -> Wire:
+    return Wire("allgather", float(numel + 4), 0.0, 4 + 4 + 1 + world * (1 + 4))

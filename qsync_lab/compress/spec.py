@@ -1,0 +1,227 @@
+"""What a gradient compressor does, and which parameters it applies to.
+
+A :class:`CompressionSpec` names a method and its settings; ``"global_qsgd:8"``,
+``"cgx:4"``, ``"aps:fp8_e4m3"`` or ``"fp16"`` are its short forms. :class:`CompressionSettings`
+maps parameter FQNs to specs the way torchao's ``FqnToConfig`` maps modules to configs:
+keys are an exact FQN, a regular expression prefixed ``re:`` or ``_default``, and a value of
+None leaves a parameter uncompressed (plain fp32 allreduce). Tensors with fewer than
+``min_numel`` elements, and 1-D tensors (biases, norm weights) unless ``compress_1d``, are
+never compressed: their error would cost more than their bytes save.
+
+Example::
+
+    >>> settings = CompressionSettings.parse({"_default": "global_qsgd:8", "re:.*bias": None})
+    >>> settings.spec_for("fc1.weight", numel=4096, ndim=2).method
+    'global_qsgd'
+    >>> settings.spec_for("fc1.bias", numel=4096, ndim=1) is None
+    True
+    >>> CompressionSpec.parse("cgx:4").unbiased, CompressionSpec.parse("aps").unbiased
+    (True, False)
+"""
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from qsync_lab.errors import QSyncError
+
+__all__ = ["METHODS", "CompressionSettings", "CompressionSpec"]
+
+#: method -> what it is (the docs of each module say more)
+METHODS: Mapping[str, str] = {
+    "fp16": "fp16 allreduce, divided by the world size first (PyTorch's fp16_compress_hook)",
+    "bf16": "bf16 allreduce, divided by the world size first",
+    "global_qsgd": "one shared scale (allreduce MAX), stochastic integer codes summed in the "
+                   "allreduce (Global-QSGD, standard or exponential dithering)",
+    "aps": "a power-of-two scale per parameter (allreduce MAX of exponents), fp8 codes "
+           "(APS)",
+    "cgx": "max-min quantization of groups to 1-8 bits, bit-packed, all-gathered (CGX)",
+    "qsgd": "L2-norm-scaled stochastic levels per rank, all-gathered (QSGD)",
+}
+_DITHERING = ("standard", "exponential")
+_ROUNDING = ("stochastic", "nearest")
+_APS_FORMATS = ("fp8_e5m2", "fp8_e4m3")
+_DEFAULT_KEY = "_default"
+_REGEX_PREFIX = "re:"
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """One compressor's settings.
+
+    Attributes:
+        method: one of :data:`METHODS`.
+        bits: ``global_qsgd``: bits of the integer codes on the wire (8, 16 or 32; each
+            rank gets ``(2**(bits-1) - 1) // world`` levels, so the sum cannot overflow);
+            ``cgx``: bits per value (1..8); ``qsgd``: ``2**(bits-1) - 1`` levels (2..8).
+        dithering: ``global_qsgd``'s levels: ``standard`` (uniform) or ``exponential``.
+        format: ``aps``'s code format, ``fp8_e5m2`` or ``fp8_e4m3``.
+        group_size: ``cgx``'s elements per max-min group.
+        rounding: ``cgx``'s rounding: ``stochastic`` (unbiased) or ``nearest`` (biased).
+        error_feedback: add each parameter's last compression error to its next gradient.
+        min_numel: tensors with fewer elements are sent uncompressed.
+        compress_1d: compress 1-D tensors too (biases, norm weights).
+    """
+
+    method: str
+    bits: int = 8
+    dithering: str = "standard"
+    format: str = "fp8_e5m2"
+    group_size: int = 1024
+    rounding: str = "stochastic"
+    error_feedback: bool = False
+    min_numel: int = 1024
+    compress_1d: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QSyncError(f"unknown compression method {self.method!r}; choose one of: "
+                             f"{', '.join(METHODS)}")
+        for name, ok, expected in (
+                ("bits", self._bits_ok(), self._bits_text()),
+                ("dithering", self.dithering in _DITHERING, " or ".join(_DITHERING)),
+                ("format", self.format in _APS_FORMATS, " or ".join(_APS_FORMATS)),
+                ("group_size", _positive_int(self.group_size), "a positive integer"),
+                ("rounding", self.rounding in _ROUNDING, " or ".join(_ROUNDING)),
+                ("error_feedback", isinstance(self.error_feedback, bool), "true or false"),
+                ("min_numel", _positive_int(self.min_numel) or self.min_numel == 0,
+                 "a non-negative integer"),
+                ("compress_1d", isinstance(self.compress_1d, bool), "true or false")):
+            if not ok:
+                raise QSyncError(f"compression {self.method}: {name} must be {expected}, got "
+                                 f"{getattr(self, name)!r}")
+
+    def _bits_ok(self) -> bool:
+        if not _positive_int(self.bits):
+            return False
+        return {"global_qsgd": self.bits in (8, 16, 32), "cgx": 1 <= self.bits <= 8,
+                "qsgd": 2 <= self.bits <= 8}.get(self.method, True)
+
+    def _bits_text(self) -> str:
+        return {"global_qsgd": "8, 16 or 32", "cgx": "1..8", "qsgd": "2..8"}.get(
+            self.method, "a positive integer")
+
+    @property
+    def unbiased(self) -> bool:
+        """Whether the compressed mean equals the true mean in expectation."""
+        if self.method in ("global_qsgd", "qsgd"):
+            return True
+        return self.method == "cgx" and self.rounding == "stochastic"
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the spec (equal specs, equal keys)."""
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items())
+
+    def applies_to(self, numel: int, ndim: int) -> bool:
+        """Whether a tensor of ``numel`` elements and ``ndim`` dimensions is compressed."""
+        return numel >= self.min_numel and (ndim > 1 or self.compress_1d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings that differ from the defaults, with the method (``parse`` reads it)."""
+        default = CompressionSpec(self.method)
+        return {"method": self.method, **{f.name: getattr(self, f.name) for f in fields(self)
+                                          if getattr(self, f.name) != getattr(default, f.name)}}
+
+    def __str__(self) -> str:
+        short = {"global_qsgd": f":{self.bits}", "cgx": f":{self.bits}",
+                 "qsgd": f":{self.bits}", "aps": f":{self.format}"}.get(self.method, "")
+        return self.method + short
+
+    @classmethod
+    def parse(cls, spec: "str | Mapping[str, Any] | CompressionSpec") -> "CompressionSpec":
+        """A spec from its short form (``method[:bits]``, ``aps[:format]``), a mapping of
+        its fields, or a spec."""
+        if isinstance(spec, CompressionSpec):
+            return spec
+        if isinstance(spec, Mapping):
+            unknown = set(spec) - {f.name for f in fields(cls)}
+            if unknown or "method" not in spec:
+                raise QSyncError(f"compression spec {dict(spec)!r} needs 'method' and may have "
+                                 f"{', '.join(f.name for f in fields(cls)[1:])}")
+            return cls(**spec)
+        if not isinstance(spec, str) or not spec.strip():
+            raise QSyncError(f"compression spec must be text like 'global_qsgd:8', got {spec!r}")
+        method, _, arg = spec.strip().lower().partition(":")
+        base = cls(method)
+        if not arg:
+            return base
+        if method == "aps":
+            return replace(base, format=arg)
+        if method in ("global_qsgd", "cgx", "qsgd") and arg.isdigit():
+            return replace(base, bits=int(arg))
+        raise QSyncError(f"cannot read compression spec {spec!r}; write method[:bits] "
+                         "(global_qsgd:8, cgx:4, qsgd:4), aps[:fp8_e4m3], fp16 or bf16")
+
+
+@dataclass(frozen=True)
+class CompressionSettings:
+    """Parameter FQN patterns -> specs (None: uncompressed), in match order."""
+
+    rules: tuple[tuple[str, CompressionSpec | None], ...] = ()
+
+    @classmethod
+    def parse(cls, settings: "CompressionSettings | CompressionSpec | str | Mapping | None"
+              ) -> "CompressionSettings":
+        """Settings from a spec (every parameter: a spec, its short form or its fields as a
+        mapping), a mapping pattern -> spec, or None (none)."""
+        if isinstance(settings, CompressionSettings):
+            return settings
+        if settings is None:
+            return cls()
+        if isinstance(settings, CompressionSpec | str) or _is_spec_mapping(settings):
+            return cls(((_DEFAULT_KEY, CompressionSpec.parse(settings)),))
+        if not isinstance(settings, Mapping):
+            raise QSyncError(f"compression settings must be a spec or a mapping of parameter "
+                             f"patterns to specs, got {type(settings).__name__}")
+        rules = []
+        for pattern, spec in settings.items():
+            if not isinstance(pattern, str):
+                raise QSyncError(f"compression pattern must be text, got {pattern!r}")
+            if pattern.startswith(_REGEX_PREFIX):
+                try:
+                    re.compile(pattern[len(_REGEX_PREFIX):])
+                except re.error as err:
+                    raise QSyncError(f"compression pattern {pattern!r}: {err}") from None
+            rules.append((pattern, None if spec is None else CompressionSpec.parse(spec)))
+        rules.sort(key=lambda rule: rule[0] == _DEFAULT_KEY)  # exact and re: rules first
+        return cls(tuple(rules))
+
+    def spec_for(self, fqn: str, *, numel: int, ndim: int) -> CompressionSpec | None:
+        """The spec of parameter ``fqn`` (None: sent uncompressed)."""
+        for pattern, spec in self.rules:
+            if pattern == fqn or pattern == _DEFAULT_KEY or (
+                    pattern.startswith(_REGEX_PREFIX)
+                    and re.fullmatch(pattern[len(_REGEX_PREFIX):], fqn)):
+                return spec if spec is not None and spec.applies_to(numel, ndim) else None
+        return None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods some rule uses, sorted."""
+        return tuple(sorted({spec.method for _, spec in self.rules if spec is not None}))
+
+    def __bool__(self) -> bool:
+        return any(spec is not None for _, spec in self.rules)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as a plan stores them (``parse`` reads them back)."""
+        return {pattern: None if spec is None else spec.to_dict() for pattern, spec in self.rules}
+
+    def __str__(self) -> str:
+        if not self:
+            return "none"
+        return ", ".join(f"{str(spec) if spec else 'none'}"
+                         + ("" if pattern == _DEFAULT_KEY else f" for {pattern}")
+                         for pattern, spec in self.rules)
+
+
+def _is_spec_mapping(value: Any) -> bool:
+    """A mapping of spec fields (``{"method": "cgx", "bits": 4}``), not of patterns."""
+    return (isinstance(value, Mapping) and isinstance(value.get("method"), str)
+            and set(value) <= {f.name for f in fields(CompressionSpec)})
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
