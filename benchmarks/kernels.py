@@ -89,6 +89,9 @@ def _routines(x):
             warnings.simplefilter("ignore")
             return torch.quantize_per_tensor(x, s, 0, torch.qint8)
 
+    packed = K.cgx_encode(x, 4, 512)
+    cgx_bytes = round(4 + 4 / 8 + 8 / 512, 2)  # x read once; codes and (min, unit) written
+    e5 = K.float_encode(x, "fp8_e5m2")
     x2, cscale = _per_channel(x)
     zp = torch.zeros(_CHANNELS, dtype=torch.long)
     c8 = torch.empty_like(x2, dtype=torch.int8)
@@ -149,7 +152,16 @@ def _routines(x):
         ("QSGD s=15 encode (norm+quant)", 9, lambda: K.qsgd_encode(x, 15, seed=1), None,
          lambda: torch.clamp(torch.floor(x * (15 / float(torch.linalg.vector_norm(x)))
                                           + torch.rand_like(x)), -15, 15).to(torch.int8)),
-        ("CGX 4-bit B=512 encode", 8.5, lambda: K.cgx_encode(x, 4, 512), None, None),
+        ("QSGD norm (float64 sum)", 4, lambda: K.l2norm(x), None,
+         lambda: torch.linalg.vector_norm(x, dtype=torch.float64)),
+        ("CGX 4-bit B=512 encode (stochastic)", cgx_bytes, lambda: K.cgx_encode(x, 4, 512),
+         None, None),
+        ("CGX 4-bit B=512 encode (nearest)", cgx_bytes,
+         lambda: K.cgx_encode(x, 4, 512, rounding="nearest"), None, None),
+        ("CGX 4-bit decode", cgx_bytes, lambda: K.cgx_decode(packed), None, None),
+        ("CGX 4-bit decode, add to a sum", cgx_bytes + 4, None,
+         lambda: K.cgx_decode(packed, out=o32), None),
+        ("fp8 e5m2 decode (APS, gathered)", 5, lambda: K.float_decode(e5), None, e5.float),
     ]
 
 

@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from qsync_lab.errors import QSyncError
@@ -18,6 +19,7 @@ from .plumbing import (
     _f32,
     _from_numpy,
     _kernels,
+    _nan_error,
 )
 from .reductions import _finite_absmax
 from .rng import rng_key
@@ -34,13 +36,17 @@ class CGXPacked(NamedTuple):
     bucket_size: int
 
 
-def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, backend="auto"):
+def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check_finite=True,
+               backend="auto"):
     """CGX bucketed max-min quantization to ``bits`` (1..8) bits, bit-packed.
 
     Per bucket of ``bucket_size`` consecutive elements: ``unit = (max - min)/(2**b - 1)``
-    (float32 metadata), codes ``floor((x - min)/unit + r)`` clamped to [0, 2**b - 1] with
-    ``r`` uniform ("stochastic", unbiased) or 0.5 ("nearest"). Codes are packed
-    little-endian, 8 codes per ``bits`` bytes.
+    (float32 metadata), codes ``floor((x - min)·inv + r)`` clamped to [0, 2**b - 1] in
+    float32 arithmetic, ``inv = 1/unit`` and ``r`` uniform ("stochastic", unbiased) or 0.5
+    ("nearest"). Codes are packed little-endian, 8 codes per ``bits`` bytes. NaN or Inf
+    in ``x`` raises QSyncError (found by the same read of ``x``); with
+    ``check_finite=False`` such a group's meta is not finite instead (its codes are
+    undefined), for a caller that checks the meta itself.
 
     Example::
 
@@ -58,14 +64,16 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, backe
     if not isinstance(bucket_size, int) or bucket_size < 1:
         raise QSyncError(f"bucket_size must be a positive int, got {bucket_size!r}")
     be = _backend(x, backend)
-    _finite_absmax(x, None, be)
     n = x.numel()
     groups = -(-n // bucket_size)
     levels = (1 << bits) - 1
     if be == "reference":
+        if check_finite:
+            _finite_absmax(x, None, be)
         xf = x.detach().cpu().float().numpy()
-        meta = ref.cgx_meta(xf, bucket_size, bits)
-        codes = ref.cgx_codes(xf, meta, bucket_size, bits, stochastic, seed)
+        with np.errstate(invalid="ignore"):  # only where check_finite is False
+            meta = ref.cgx_meta(xf, bucket_size, bits)
+            codes = ref.cgx_codes(xf, meta, bucket_size, bits, stochastic, seed)
         payload = ref.pack_bits(codes, bits).reshape(-1, bits) if n else None
         payload = _from_numpy(payload, x.device) if n else _empty((0, bits), dtype=torch.uint8)
         meta = _from_numpy(meta, x.device)
@@ -75,14 +83,23 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, backe
         payload = _empty((-(-n // 8), bits), dtype=torch.uint8, device=x.device)
         if n:
             k = _kernels(be)
-            k.cgx_meta(_arr(xf), bucket_size, levels, _arr(meta).reshape(groups, 2))
-            k.cgx_encode(_arr(xf), _arr(meta).reshape(groups, 2), bucket_size, bits, stochastic,
-                         rng_key(seed), _arr(payload))
+            meta2 = _arr(meta).reshape(groups, 2)
+            if bucket_size % 8 == 0:  # one read of x
+                k.cgx_meta_encode(_arr(xf), bucket_size, bits, stochastic, rng_key(seed), meta2,
+                                  _arr(payload))
+            else:
+                k.cgx_meta(_arr(xf), bucket_size, levels, meta2)
+                k.cgx_encode(_arr(xf), meta2, bucket_size, bits, stochastic, rng_key(seed),
+                             _arr(payload))
+            if check_finite and not bool(torch.isfinite(meta).all()):
+                raise _nan_error()
     return CGXPacked(payload.to(x.device), meta, tuple(x.shape), x.dtype, bits, bucket_size)
 
 
-def cgx_decode(packed, *, backend="auto"):
-    """Unpack CGX codes and return ``min + unit·q`` in the original shape and dtype."""
+def cgx_decode(packed, *, out=None, backend="auto"):
+    """Unpack CGX codes and return ``min + unit·q`` (float32 arithmetic) in the original shape
+    and dtype; with ``out`` (a contiguous float32 tensor of that shape) the values are added
+    to it instead, and ``out`` is returned (summing several ranks' payloads, one pass each)."""
     if not isinstance(packed, CGXPacked):
         raise QSyncError("cgx_decode takes the CGXPacked returned by cgx_encode")
     payload, meta = packed.payload, packed.meta
@@ -90,11 +107,12 @@ def cgx_decode(packed, *, backend="auto"):
     n = math.prod(packed.shape)
     if be == "reference":
         codes = ref.unpack_bits(payload.cpu().numpy().reshape(-1), packed.bits, n)
-        out = _from_numpy(ref.cgx_decode_codes(codes, meta.cpu().numpy(), packed.bucket_size),
-                          payload.device)
-    else:
-        out = _empty(n, dtype=torch.float32, device=payload.device)
-        if n:
-            _kernels(be).cgx_decode(_arr(payload.contiguous()), _arr(meta).reshape(-1, 2),
-                                    packed.bucket_size, packed.bits, _arr(out))
-    return out.reshape(packed.shape).to(packed.dtype)
+        values = _from_numpy(ref.cgx_decode_codes(codes, meta.cpu().numpy(), packed.bucket_size),
+                             payload.device).reshape(packed.shape)
+        return out.add_(values) if out is not None else values.to(packed.dtype)
+    target = out if out is not None else _empty(n, dtype=torch.float32, device=payload.device)
+    if n:
+        _kernels(be).cgx_decode(_arr(payload.contiguous()), _arr(meta).reshape(-1, 2),
+                                packed.bucket_size, packed.bits, out is not None,
+                                _arr(target).reshape(-1))
+    return out if out is not None else target.reshape(packed.shape).to(packed.dtype)

@@ -670,12 +670,25 @@ def _sum_squares(x, nck, out):
     part = np.zeros(nck, dtype=np.float64)
     for k in prange(nck):
         i, end = _bounds(n, nck, k)
-        acc = 0.0
-        for j in range(i, end):
-            d = np.float64(x[j])
-            acc += d * d
-        part[k] = acc
+        part[k] = _sum_squares_run(x, i, end)
     out[0] = part.sum()
+
+
+@njit
+def _sum_squares_run(x, start, stop):
+    """Sum of x[start:stop]² in float64 over 8 running sums (independent adds vectorise;
+    one running sum would wait on each add)."""
+    lanes = np.zeros(8, dtype=np.float64)
+    body = start + (stop - start) // 8 * 8
+    for j in range(start, body, 8):
+        for u in range(8):
+            d = np.float64(x[j + u])
+            lanes[u] += d * d
+    acc = lanes.sum()
+    for j in range(body, stop):
+        d = np.float64(x[j])
+        acc += d * d
+    return acc
 
 
 def sum_squares(x, out):
@@ -707,60 +720,189 @@ def exp_dither_decode(codes, m, out):
 
 @_jit(parallel=True)
 def cgx_meta(x, bucket, levels, meta):
-    """Per group: ``meta[g] = (min, float32((max - min) / levels))``."""
+    """Per group: ``meta[g] = (min, float32((max - min) / levels))``; a group holding NaN
+    or Inf gets a NaN min."""
     n = x.size
     for g in prange(meta.shape[0]):
         start = g * bucket
-        stop = min(n, start + bucket)
-        mn = x[start]
-        mx = x[start]
-        for j in range(start + 1, stop):
-            mn = min(mn, x[j])
-            mx = max(mx, x[j])
-        meta[g, 0] = mn
-        meta[g, 1] = np.float32((np.float64(mx) - np.float64(mn)) / levels)
+        _cgx_group_meta(x[start:min(n, start + bucket)], levels, meta[g])
 
 
 @njit
-def _cgx_code(x, j, meta, bucket, levels, stochastic, key):
-    g = j // bucket
-    unit = np.float64(meta[g, 1])
-    if unit <= 0:
-        return 0
-    v = (np.float64(x[j]) - np.float64(meta[g, 0])) / unit
-    r = 0.5
-    if stochastic:
-        r = np.float64(rng_bits(key, j) >> 8) * 2.0**-24
-    return min(max(np.int64(np.floor(v + r)), 0), levels)
+def _cgx_group_meta(group, levels, meta):
+    lo, hi, finite = _min_max(group)
+    meta[0] = lo if finite else np.float32(np.nan)
+    meta[1] = np.float32((np.float64(hi) - np.float64(lo)) / levels)
 
 
-@_jit(parallel=True)
+@njit(error_model="numpy")
+def _cgx_code(x, lo, inv, levels, stochastic, key, j, jhi):
+    """One CGX code in float32: ``floor((x - lo)·inv + r)`` clamped to [0, levels]."""
+    r = _uniform(key, np.uint32(j), jhi) if stochastic else np.float32(0.5)
+    v = np.floor((x - lo) * inv + r)
+    return np.uint64(min(max(v, np.float32(0)), np.float32(levels)))
+
+
+@njit
+def _cgx_inverse(unit):
+    """``1 / unit`` in float32 (0 for a constant group: every code is 0)."""
+    return np.float32(1) / unit if unit > 0 else np.float32(0)
+
+
+@_jit(parallel=True, error_model="numpy")
 def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
-    """Quantize groups to b bits and pack 8 codes into b bytes, little-endian."""
+    """Quantize groups to b bits and pack 8 codes into b bytes, little-endian.
+
+    Groups of a multiple of 8 elements run in parallel: their codes (float32 arithmetic, a
+    vectorised loop) go to a small buffer, then 8 at a time into one 64-bit word whose
+    ``bits`` low bytes are stored. Other group sizes are coded block by block.
+    """
     n = x.size
     levels = (1 << bits) - 1
-    for blk in prange(payload.size // bits):
-        acc = np.int64(0)
+    if bucket % 8:  # blocks straddle groups: code by code
+        for blk in prange(payload.size // bits):
+            acc = np.uint64(0)
+            for t in range(8):
+                j = blk * 8 + t
+                if j < n:
+                    g = j // bucket
+                    acc |= _cgx_code(x[j], meta[g, 0], _cgx_inverse(meta[g, 1]), levels,
+                                     stochastic, key, j, np.uint32(j >> 32)) << np.uint64(t * bits)
+            for t in range(bits):
+                payload[blk * bits + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(0xFF))
+        return
+    for g in prange(meta.shape[0]):
+        start = g * bucket
+        size = min(bucket, n - start)
+        codes = np.empty(bucket, dtype=np.uint8)  # this group's codes, then packed
+        _cgx_group_codes(x[start:start + size], meta[g, 0], _cgx_inverse(meta[g, 1]),
+                         levels, stochastic, key, start, codes)
+        codes[size:] = 0
+        _cgx_pack(codes, bits, payload[start // 8 * bits:(start + bucket) // 8 * bits])
+
+
+@_jit(parallel=True, error_model="numpy")
+def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
+    """:func:`cgx_meta` and :func:`cgx_encode` in one read of ``x``: each group (a multiple
+    of 8 elements) is scanned for its min and max, then coded from the cache. A group
+    holding NaN or Inf gets a NaN min (the caller checks ``meta``)."""
+    n = x.size
+    levels = (1 << bits) - 1
+    for g in prange(meta.shape[0]):
+        start = g * bucket
+        size = min(bucket, n - start)
+        group = x[start:start + size]
+        _cgx_group_meta(group, levels, meta[g])
+        codes = np.empty(bucket, dtype=np.uint8)
+        _cgx_group_codes(group, meta[g, 0], _cgx_inverse(meta[g, 1]), levels, stochastic, key,
+                         start, codes)
+        codes[size:] = 0
+        _cgx_pack(codes, bits, payload[start // 8 * bits:(start + bucket) // 8 * bits])
+
+
+@njit
+def _min_max(x):
+    """Min, max and whether every value is finite, on the bits: a float32's bits with the
+    magnitude bits flipped for negatives order like the values (signed int32), and integer
+    min/max vectorise where float min/max do not. An exponent of all ones is NaN or Inf."""
+    bits = x.view(np.int32)
+    lo = np.int32(0x7FFFFFFF)
+    hi = np.int32(-0x80000000)
+    special = np.int32(0)
+    for t in range(x.size):
+        b = bits[t]
+        key = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+        lo = min(lo, key)
+        hi = max(hi, key)
+        special |= (b & np.int32(0x7F800000)) == np.int32(0x7F800000)
+    return _ordered_float(lo), _ordered_float(hi), special == 0
+
+
+@njit
+def _ordered_float(key):
+    """The float32 whose ordered bits (see :func:`_min_max`) are ``key``."""
+    return np.int32(key ^ ((key >> 31) & np.int32(0x7FFFFFFF))).view(np.float32)
+
+
+@njit(error_model="numpy")
+def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, codes):
+    """The codes of one group (``start``: its first element's index) into ``codes``; the
+    loop is split where the index crosses a multiple of 2**32 (the RNG's high word)."""
+    jhi = start >> 32
+    split = min(x.size, ((jhi + 1) << 32) - start)
+    _cgx_run(x[:split], lo, inv, levels, stochastic, key, start, np.uint32(jhi), codes[:split])
+    _cgx_run(x[split:], lo, inv, levels, stochastic, key, start + split,
+             np.uint32(jhi + 1), codes[split:])
+
+
+@njit(error_model="numpy")
+def _cgx_run(x, lo, inv, levels, stochastic, key, j0, jhi, codes):
+    top = np.float32(levels)
+    if stochastic:
+        for t in range(x.size):
+            v = np.floor((x[t] - lo) * inv + _uniform(key, np.uint32(j0 + t), jhi))
+            codes[t] = np.uint8(min(max(v, np.float32(0)), top))
+    else:
+        for t in range(x.size):
+            v = np.floor((x[t] - lo) * inv + np.float32(0.5))
+            codes[t] = np.uint8(min(max(v, np.float32(0)), top))
+
+
+@njit
+def _cgx_pack(codes, bits, payload):
+    """Pack ``codes`` (a multiple of 8) 8 to ``bits`` bytes, little-endian."""
+    for blk in range(min(codes.size // 8, payload.size // bits)):
+        acc = np.uint64(0)
         for t in range(8):
-            j = blk * 8 + t
-            if j < n:
-                acc |= _cgx_code(x, j, meta, bucket, levels, stochastic, key) << (t * bits)
+            acc |= np.uint64(codes[blk * 8 + t]) << np.uint64(t * bits)
         for t in range(bits):
-            payload[blk * bits + t] = (acc >> (8 * t)) & 0xFF
+            payload[blk * bits + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(0xFF))
 
 
-@_jit(parallel=True)
-def cgx_decode(payload, meta, bucket, bits, out):
-    """Unpack b-bit codes and return ``min + unit·q`` (float64 arithmetic, float32 out)."""
+@_jit(parallel=True, error_model="numpy")
+def cgx_decode(payload, meta, bucket, bits, accumulate, out):
+    """Unpack b-bit codes into ``min + unit·q`` (float32 arithmetic), written to ``out`` or
+    added to it (``accumulate``: a sum of several ranks' payloads in one pass each)."""
     n = out.size
-    mask = (1 << bits) - 1
-    for blk in prange(payload.size // bits):
-        acc = np.int64(0)
-        for t in range(bits):
-            acc |= np.int64(payload[blk * bits + t]) << (8 * t)
+    mask = np.uint64((1 << bits) - 1)
+    if bucket % 8:  # blocks straddle groups: code by code
+        for blk in prange(payload.size // bits):
+            acc = _cgx_word(payload, blk, bits)
+            base = blk * 8
+            for t in range(min(8, n - base)):
+                g = (base + t) // bucket
+                value = meta[g, 0] + meta[g, 1] * np.float32((acc >> np.uint64(t * bits)) & mask)
+                out[base + t] = out[base + t] + value if accumulate else value
+        return
+    for g in prange(meta.shape[0]):
+        start = g * bucket
+        size = min(bucket, n - start)
+        codes = np.empty(bucket, dtype=np.uint8)
+        _cgx_unpack(payload[start // 8 * bits:(start + bucket) // 8 * bits], bits, codes)
+        lo, unit = meta[g, 0], meta[g, 1]
+        part = out[start:start + size]
+        if accumulate:
+            for t in range(size):
+                part[t] += lo + unit * np.float32(codes[t])
+        else:
+            for t in range(size):
+                part[t] = lo + unit * np.float32(codes[t])
+
+
+@njit
+def _cgx_unpack(payload, bits, codes):
+    """The inverse of :func:`_cgx_pack` (as many codes as ``payload`` holds)."""
+    mask = np.uint64((1 << bits) - 1)
+    for blk in range(min(codes.size // 8, payload.size // bits)):
+        acc = _cgx_word(payload, blk, bits)
         for t in range(8):
-            j = blk * 8 + t
-            if j < n:
-                g = j // bucket
-                q = (acc >> (t * bits)) & mask
-                out[j] = np.float32(np.float64(meta[g, 0]) + np.float64(meta[g, 1]) * q)
+            codes[blk * 8 + t] = np.uint8((acc >> np.uint64(t * bits)) & mask)
+
+
+@njit
+def _cgx_word(payload, blk, bits):
+    """Block ``blk``'s ``bits`` bytes as one little-endian 64-bit word."""
+    acc = np.uint64(0)
+    for t in range(bits):
+        acc |= np.uint64(payload[blk * bits + t]) << np.uint64(8 * t)
+    return acc

@@ -214,12 +214,14 @@ def _cgx_meta_kernel(x, bucket, levels, meta):
         stop = min(n, start + bucket)
         mn = x[start]
         mx = x[start]
+        special = 0
         for j in range(start + tid, stop, TPB):
             mn = min(mn, x[j])
             mx = max(mx, x[j])
+            special |= (x[j].view(np.uint32) & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
         smin[tid] = mn
         smax[tid] = mx
-        cuda.syncthreads()
+        special = cuda.syncthreads_or(special)
         step = TPB // 2
         while step > 0:
             if tid < step:
@@ -228,7 +230,7 @@ def _cgx_meta_kernel(x, bucket, levels, meta):
             cuda.syncthreads()
             step //= 2
         if tid == 0:
-            meta[g, 0] = smin[0]
+            meta[g, 0] = np.float32(np.nan) if special else smin[0]
             meta[g, 1] = np.float32((np.float64(smax[0]) - np.float64(smin[0])) / levels)
         cuda.syncthreads()
 
@@ -243,21 +245,21 @@ def _cgx_encode_kernel(x, meta, bucket, bits, stochastic, key, payload):
             j = blk * 8 + t
             if j < n:
                 g = j // bucket
-                unit = np.float64(meta[g, 1])
-                q = 0
-                if unit > 0:
-                    v = (np.float64(x[j]) - np.float64(meta[g, 0])) / unit
-                    r = 0.5
-                    if stochastic:
-                        r = np.float64(rng_bits(key, j) >> 8) * 2.0**-24
-                    q = min(max(math.floor(v + r), 0), levels)
+                unit = meta[g, 1]
+                inv = np.float32(1) / unit if unit > 0 else np.float32(0)
+                r = np.float32(0.5)
+                if stochastic:
+                    r = np.float32(rng_bits(key, j) >> 8) * np.float32(2.0**-24)
+                v = (x[j] - meta[g, 0]) * inv + r
+                v = v if v >= 0 else np.float32(0)  # NaN (a marked group) too
+                q = int(math.floor(min(v, np.float32(levels))))
                 acc |= q << (t * bits)
         for t in range(bits):
             payload[blk * bits + t] = (acc >> (8 * t)) & 0xFF
 
 
 @cuda.jit
-def _cgx_decode_kernel(payload, meta, bucket, bits, out):
+def _cgx_decode_kernel(payload, meta, bucket, bits, accumulate, out):
     n = out.size
     mask = (1 << bits) - 1
     for blk in range(cuda.grid(1), payload.size // bits, cuda.gridsize(1)):
@@ -268,8 +270,9 @@ def _cgx_decode_kernel(payload, meta, bucket, bits, out):
             j = blk * 8 + t
             if j < n:
                 g = j // bucket
-                q = (acc >> (t * bits)) & mask
-                out[j] = np.float32(np.float64(meta[g, 0]) + np.float64(meta[g, 1]) * q)
+                q = np.float32((acc >> (t * bits)) & mask)
+                value = meta[g, 0] + meta[g, 1] * q
+                out[j] = out[j] + value if accumulate else value
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -342,5 +345,12 @@ def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
     )
 
 
-def cgx_decode(payload, meta, bucket, bits, out):
-    _cgx_decode_kernel[_blocks(payload.size // bits), TPB](payload, meta, bucket, bits, out)
+def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
+    """:func:`cgx_meta` then :func:`cgx_encode` (NaN/Inf are found by the caller's check)."""
+    cgx_meta(x, bucket, (1 << bits) - 1, meta)
+    cgx_encode(x, meta, bucket, bits, stochastic, key, payload)
+
+
+def cgx_decode(payload, meta, bucket, bits, accumulate, out):
+    _cgx_decode_kernel[_blocks(payload.size // bits), TPB](payload, meta, bucket, bits,
+                                                           accumulate, out)

@@ -301,28 +301,31 @@ def cgx_meta(x, bucket_size, bits):
 
 
 def cgx_codes(x, meta, bucket_size, bits, stochastic=True, seed=0):
-    """CGX codes: ``clip(floor((x - min)/unit + r), 0, 2**b - 1)`` in float64.
+    """CGX codes ``clip(floor((x - min)·inv + r), 0, 2**b - 1)``, all in float32, with
+    ``inv = float32(1 / unit)`` (0 for a constant group).
 
     ``r`` is uniform (stochastic) or 0.5 (nearest, CGX's deterministic build).
     """
-    x = np.asarray(x, dtype=np.float32).reshape(-1).astype(np.float64)
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
     g = np.arange(x.size) // bucket_size
-    mn = meta[g, 0].astype(np.float64)
-    unit = meta[g, 1].astype(np.float64)
-    v = np.where(unit > 0, (x - mn) / np.where(unit > 0, unit, 1.0), 0.0)
+    mn = meta[g, 0].astype(np.float32)
+    unit = meta[g, 1].astype(np.float32)
+    inv = np.where(unit > 0, np.float32(1) / np.where(unit > 0, unit, np.float32(1)),
+                   np.float32(0)).astype(np.float32)
     if stochastic:
-        u = (rng_bits(rng_key(seed), np.arange(x.size, dtype=np.int64)) >> 8) * 2.0**-24
+        u = (rng_bits(rng_key(seed), np.arange(x.size, dtype=np.int64)) >> 8).astype(
+            np.float32) * np.float32(2.0**-24)
     else:
-        u = 0.5
-    return np.clip(np.floor(v + u), 0, (1 << bits) - 1).astype(np.int64)
+        u = np.float32(0.5)
+    v = np.floor((x - mn) * inv + u)
+    return np.clip(v, 0, (1 << bits) - 1).astype(np.int64)
 
 
 def cgx_decode_codes(codes, meta, bucket_size):
-    """CGX values ``min + unit·q``, computed in float64 and rounded to float32."""
+    """CGX values ``min + unit·q`` in float32."""
     g = np.arange(codes.size) // bucket_size
-    return (meta[g, 0].astype(np.float64) + meta[g, 1].astype(np.float64) * codes).astype(
-        np.float32
-    )
+    return (meta[g, 0].astype(np.float32)
+            + meta[g, 1].astype(np.float32) * codes.astype(np.float32)).astype(np.float32)
 
 
 def pack_bits(codes, bits):

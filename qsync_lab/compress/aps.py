@@ -18,7 +18,7 @@ import math
 import torch
 
 from qsync_lab.compress.codec import Encoded, Wire, check_finite
-from qsync_lab.kernels import APS_ZERO_EXPONENT, aps_shift, float_decode, float_quantize
+from qsync_lab.kernels import APS_ZERO_EXPONENT, absmax, aps_shift, float_decode, float_quantize
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -31,9 +31,8 @@ def _exponents(x: torch.Tensor, segments, world: int) -> torch.Tensor:
     """Per segment, ``ceil(log2(max |world · x|))`` (APS_ZERO_EXPONENT if all zero)."""
     out = torch.empty(len(segments), dtype=torch.int32)
     for k, (start, numel) in enumerate(segments):
-        part = x[start:start + numel]
-        amax = float(part.abs().max()) if numel else 0.0
-        if amax != amax or amax == float("inf"):
+        amax = float(absmax(x[start:start + numel]))  # NaN or Inf when the part holds one
+        if not math.isfinite(amax):
             out[k] = _NONFINITE_EXPONENT
         elif amax == 0:
             out[k] = APS_ZERO_EXPONENT
@@ -87,5 +86,5 @@ def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allgather", float(numel), 4.0 * len(segments), 4 + 4 + 1 + world * (1 + 4 + 4))
+    return Wire("allgather", float(numel), 4.0 * len(segments), 4 + 4 + 1, 1 + 4 + 4)
 

@@ -12,38 +12,34 @@ per value, no re-quantization of partial sums. On ``b`` bits a value costs
 import torch
 
 from qsync_lab.compress.codec import Encoded, Wire, check_finite, pack, unpack
-from qsync_lab.kernels import CGXPacked, cgx_decode, cgx_encode
+from qsync_lab.kernels import cgx_decode, cgx_encode
 
 __all__ = ["encode", "reduce", "wire"]
 
 
 def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
-    n = x.numel()
-    groups = -(-n // spec.group_size)
-    if bool(torch.isfinite(x).all()):
-        packed = cgx_encode(x, spec.bits, spec.group_size, rounding=spec.rounding, seed=seed)
-    else:  # a NaN unit tells every rank
-        packed = CGXPacked(torch.zeros((-(-n // 8), spec.bits), dtype=torch.uint8),
-                           torch.full((groups, 2), float("nan")), x.shape, torch.float32,
-                           spec.bits, spec.group_size)
-    layout = ((torch.float32, groups * 2), (torch.uint8, packed.payload.numel()))
+    # a non-finite group's meta is not finite: every rank sees it after the all-gather
+    packed = cgx_encode(x, spec.bits, spec.group_size, rounding=spec.rounding, seed=seed,
+                        check_finite=False)
+    layout = ((torch.float32, packed.meta.numel()), (torch.uint8, packed.payload.numel()))
+    finite = own and bool(torch.isfinite(packed.meta).all())
     return Encoded(pack(packed.meta, packed.payload), (packed, layout),
-                   cgx_decode(packed) if own else None)
+                   cgx_decode(packed) if finite else None)
 
 
 def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
     template, layout = encoded.context
-    total = None
-    for data in comm.all_gather(encoded.payload):
-        meta, payload = unpack(data, *layout)
+    gathered = [unpack(data, *layout) for data in comm.all_gather(encoded.payload)]
+    for meta, _ in gathered:
         check_finite(meta, "a cgx bucket")
-        value = cgx_decode(template._replace(meta=meta.reshape(-1, 2),
-                                             payload=payload.reshape(-1, spec.bits)))
-        total = value if total is None else total.add_(value)
+    total = torch.zeros(template.shape, dtype=torch.float32)
+    for meta, payload in gathered:  # each rank's values added to the sum in one pass
+        cgx_decode(template._replace(meta=meta.reshape(-1, 2),
+                                     payload=payload.reshape(-1, spec.bits)), out=total)
     return total.div_(comm.world)
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
     groups = -(-numel // spec.group_size)
     payload = -(-numel // 8) * spec.bits + 8 * groups
-    return Wire("allgather", float(payload), 0.0, 8 + spec.bits / 8 + world * (spec.bits / 8 + 4))
+    return Wire("allgather", float(payload), 0.0, 4 + 4 + spec.bits / 8, spec.bits / 8 + 4 + 4)

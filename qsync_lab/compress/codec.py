@@ -58,14 +58,16 @@ class Wire:
         collective: ``"allreduce"`` (codes summed in the collective) or ``"allgather"``.
         payload_bytes: bytes of the tensor the collective carries.
         scale_sync_bytes: bytes of the all-reduce(MAX) before it (0: none).
-        touched_bytes: bytes the encode and the decode read and write, per element of the
-            gradient (for a roofline of their time where nothing was measured).
+        encode_bytes: bytes the encode reads and writes per element of the gradient;
+        decode_bytes: the same for decoding one rank's payload (for a roofline of their
+            times where nothing was measured). An all-gather decodes one payload per rank.
     """
 
     collective: str
     payload_bytes: float
     scale_sync_bytes: float
-    touched_bytes: float
+    encode_bytes: float
+    decode_bytes: float
 
 
 def check_finite(flags: torch.Tensor, what: str) -> None:

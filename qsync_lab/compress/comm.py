@@ -52,14 +52,17 @@ class Comm:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
+        if self.world == 1:
+            return [tensor]
         gathered = [torch.empty_like(tensor) for _ in range(self.world)]
-        self._run(tensor, self.world - 1, dist.all_gather, gathered, tensor, group=self.group)
-        return gathered
+        return self._run(tensor, self.world - 1, dist.all_gather, gathered, tensor,
+                         group=self.group)
 
-    def _run(self, tensor: torch.Tensor, sent: float, collective, *args, **kwargs):
+    def _run(self, tensor: torch.Tensor, sent: float, collective, out, *args, **kwargs):
+        """``collective(out, *args, **kwargs)``, timed and counted; ``out``."""
         begin = time.perf_counter()
         if self.world > 1:
-            collective(*args, **kwargs)
+            collective(out, *args, **kwargs)
         self.seconds += time.perf_counter() - begin
         self.sent_bytes += sent * tensor.numel() * tensor.element_size()
-        return args[0] if collective is not dist.all_gather else args[0]
+        return out

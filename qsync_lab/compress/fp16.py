@@ -40,4 +40,4 @@ def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allreduce", 2.0 * numel, 0.0, 4 + 2 + 2 + 4)
+    return Wire("allreduce", 2.0 * numel, 0.0, 4 + 2, 2 + 4)

@@ -14,11 +14,13 @@ The variance of a standard-dithered value is at most ``unit**2 / 4`` per rank wi
 ``unit = M / L``, so the mean's per-element variance is at most ``unit**2 / (4 world)``.
 """
 
+import math
+
 import torch
 
 from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite
 from qsync_lab.errors import QSyncError
-from qsync_lab.kernels import global_qsgd_decode, global_qsgd_encode, quantize_int8
+from qsync_lab.kernels import absmax, global_qsgd_decode, global_qsgd_encode, quantize_int8
 
 __all__ = ["encode", "levels", "reduce", "wire"]
 
@@ -42,9 +44,8 @@ def levels(spec, world: int) -> int:
 
 
 def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
-    finite = bool(torch.isfinite(x).all())
-    amax = float(x.abs().max()) if finite and x.numel() else 0.0
-    scale = torch.tensor([amax if finite else NONFINITE], dtype=torch.float32)
+    amax = float(absmax(x))  # NaN or Inf when x holds one
+    scale = torch.tensor([amax if math.isfinite(amax) else NONFINITE], dtype=torch.float32)
     comm.allreduce_max(scale)
     check_finite(scale, "a global_qsgd bucket")
     m = float(scale)
@@ -78,7 +79,7 @@ def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
     if spec.dithering == "exponential":
-        return Wire("allgather", float(numel), 4.0, 4 + 1 + world * (1 + 4))
+        return Wire("allgather", float(numel), 4.0, 4 + 4 + 1, 1 + 4 + 4)
     code_bytes = spec.bits // 8
-    return Wire("allreduce", float(numel * code_bytes), 4.0, 4 + 4 + code_bytes + code_bytes + 4)
+    return Wire("allreduce", float(numel * code_bytes), 4.0, 4 + 4 + code_bytes, code_bytes + 4)
 

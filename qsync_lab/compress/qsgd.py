@@ -23,9 +23,9 @@ def levels(spec) -> int:
 
 
 def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
-    finite = bool(torch.isfinite(x).all())
-    norm = l2norm(x) if finite else NONFINITE
-    if finite and math.isfinite(norm):
+    norm = l2norm(x)  # NaN or Inf when x holds one
+    finite = math.isfinite(norm)
+    if finite:
         codes = qsgd_encode(x, levels(spec), seed=seed, norm=norm).codes
     else:
         codes, norm = torch.zeros(x.numel(), dtype=torch.int8), NONFINITE
@@ -45,4 +45,4 @@ def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allgather", float(numel + 4), 0.0, 4 + 4 + 1 + world * (1 + 4))
+    return Wire("allgather", float(numel + 4), 0.0, 4 + 4 + 1, 1 + 4 + 4)

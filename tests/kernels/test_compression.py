@@ -169,6 +169,41 @@ def test_cgx_cpu_matches_reference(bits, rounding):
     assert ((da - x).abs() <= unit * (1.0 if rounding == "stochastic" else 0.5) + 1e-6).all()
 
 
+@pytest.mark.parametrize("bucket", [50, 64])  # code by code, and group by group in one read
+def test_cgx_cpu_matches_reference_on_signed_zeros_and_constant_groups(bucket):
+    x = _g(640, seed=5)
+    x[:bucket] = -0.0
+    x[bucket:2 * bucket] = 3.0
+    x[2 * bucket + 1] = 0.0
+    x[2 * bucket + 2] = -1e30
+    a = cgx_encode(x, 4, bucket, seed=1, backend="cpu")
+    b = cgx_encode(x, 4, bucket, seed=1, backend="reference")
+    assert torch.equal(a.payload, b.payload) and torch.equal(a.meta, b.meta)
+    assert torch.equal(cgx_decode(a), cgx_decode(b, backend="reference"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_cgx_non_finite_marks_its_group_only_when_asked(backend, bad):
+    x = _g(256, seed=6)
+    x[70] = bad
+    packed = cgx_encode(x, 4, 64, check_finite=False, backend=backend)
+    finite = torch.isfinite(packed.meta).all(dim=1)
+    assert finite.tolist() == [True, False, True, True]
+    with pytest.raises(QSyncError, match="NaN or Inf"):
+        cgx_encode(x, 4, 64, backend=backend)
+
+
+@pytest.mark.parametrize("bucket", [24, 50])
+def test_cgx_decode_accumulates_into_out(bucket):
+    parts = [cgx_encode(_g(203, seed=s), 3, bucket, seed=s) for s in range(3)]
+    total = torch.full((203,), 0.25)
+    for p in parts:
+        assert cgx_decode(p, out=total) is total
+    want = 0.25 + sum(cgx_decode(p, backend="reference").double() for p in parts)
+    torch.testing.assert_close(total.double(), want, rtol=0, atol=1e-5)
+
+
 def test_cgx_stochastic_unbiased_and_bounded():
     x = _g(256, seed=3)
     draws = torch.stack([cgx_decode(cgx_encode(x, 2, 32, seed=s)) for s in range(300)]).double()

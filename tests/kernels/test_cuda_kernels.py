@@ -128,6 +128,13 @@ def test_cgx(bits, dev):
     assert torch.equal(K.cgx_decode(a, backend="cuda").cpu(), K.cgx_decode(b, backend="reference"))
 
 
+def test_cgx_marks_non_finite_groups(dev):
+    x = _x(150, dev=dev)
+    x[60] = float("nan")
+    meta = K.cgx_encode(x, 4, 50, check_finite=False, backend="cuda").meta.cpu()
+    assert torch.isfinite(meta).all(dim=1).tolist() == [True, False, True]
+
+
 def test_qsgd_and_norm(dev):
     x = _x(300, dev=dev)
     norm = K.l2norm(x, backend="cuda")
