@@ -850,7 +850,15 @@ def _cgx_run(x, lo, inv, levels, stochastic, key, j0, jhi, codes):
 
 @njit
 def _cgx_pack(codes, bits, payload):
-    """Pack ``codes`` (a multiple of 8) 8 to ``bits`` bytes, little-endian."""
+    """Pack ``codes`` (a multiple of 8) 8 to ``bits`` bytes, little-endian (for 4 and 8
+    bits, byte by byte: those loops vectorise)."""
+    if bits == 8:
+        payload[:codes.size] = codes[:payload.size]
+        return
+    if bits == 4:
+        for i in range(min(codes.size // 2, payload.size)):
+            payload[i] = codes[2 * i] | (codes[2 * i + 1] << np.uint8(4))
+        return
     for blk in range(min(codes.size // 8, payload.size // bits)):
         acc = np.uint64(0)
         for t in range(8):
@@ -892,6 +900,15 @@ def cgx_decode(payload, meta, bucket, bits, accumulate, out):
 @njit
 def _cgx_unpack(payload, bits, codes):
     """The inverse of :func:`_cgx_pack` (as many codes as ``payload`` holds)."""
+    if bits == 8:
+        codes[:payload.size] = payload[:codes.size]
+        return
+    if bits == 4:
+        for i in range(min(codes.size // 2, payload.size)):
+            byte = payload[i]
+            codes[2 * i] = byte & np.uint8(15)
+            codes[2 * i + 1] = byte >> np.uint8(4)
+        return
     mask = np.uint64((1 << bits) - 1)
     for blk in range(min(codes.size // 8, payload.size // bits)):
         acc = _cgx_word(payload, blk, bits)

@@ -125,21 +125,30 @@ def _add_profile_parser(sub) -> None:
                          help="fit the allreduce link to real DDP steps of calibration MLPs "
                          "(ddp, the default: about a minute) or to the allreduce "
                          "microbenchmark (allreduce)")
+    profile.add_argument("--compress", nargs="*", metavar="SPEC",
+                         help="also time gradient compressors' encode and decode through "
+                         "the hook: these specs (e.g. global_qsgd:8 cgx:4,error_feedback=true)"
+                         ", or without a spec the defaults")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=_cmd_profile)
 
 
 def _cmd_profile(args) -> None:
+    from qsync_lab.compress import CompressionSpec
     from qsync_lab.models import example_batch, get_model, model_spec
-    from qsync_lab.profile import ProfileJob, profile_machine
+    from qsync_lab.profile import DEFAULT_COMPRESSION_SPECS, ProfileJob, profile_machine
 
     if args.batch < 1:
         raise QSyncError(f"--batch must be a positive integer, got {args.batch}")
     jobs = [ProfileJob(name, get_model(name), *example_batch(name, args.batch),
                        model_spec(name).loss_fn()) for name in args.model]
+    compression = ([] if args.compress is None else
+                   [str(CompressionSpec.parse(s)) for s in args.compress or
+                    DEFAULT_COMPRESSION_SPECS])
     written = profile_machine(jobs, args.out, precisions=args.precisions.split(","),
                               threads=args.threads, repeats=args.repeats,
-                              processes=args.processes, method=args.method, links=args.links)
+                              processes=args.processes, method=args.method, links=args.links,
+                              compression=compression)
     print(written)
 
 
@@ -158,6 +167,9 @@ def _add_plan_parser(sub) -> None:
                       help="qsync (default), uniform-low, dynamic-batching, joint or fp32")
     plan.add_argument("--optimizer", default="sgd_momentum", choices=list(OPTIMIZER_STATES),
                       help="what the run will train with (its state counts in memory)")
+    plan.add_argument("--compress", metavar="SPEC",
+                      help="compress gradient communication, e.g. global_qsgd:8, cgx:4, aps, "
+                      "qsgd:8, fp16 (the allocation costs it; the run registers it)")
     plan.add_argument("--calibration-batches", type=int, default=2,
                       help="batches for the sensitivity indicator (default 2)")
     plan.add_argument("--profile", action="append", default=[], metavar="CSV",
@@ -167,22 +179,25 @@ def _add_plan_parser(sub) -> None:
 
 
 def _cmd_plan(args) -> None:
+    from qsync_lab.compress import CompressionSettings
     from qsync_lab.study import Study
 
     memory = dict(_key_value(item, "--memory-gb", "KIND=GIB", "T4=12", float)
                   for item in args.memory_gb)
+    CompressionSettings.parse(args.compress)  # a bad spec fails before any work
     study = Study(args.model, cluster=args.cluster, profiles=args.profile,
                   calibration_batches=args.calibration_batches, optimizer=args.optimizer)
     begin = time.perf_counter()
     plan = study.plan(memory_limit=memory, throughput_target=args.throughput,
-                      strategy=args.strategy)
+                      strategy=args.strategy, compression=args.compress)
     seconds = time.perf_counter() - begin
     plan.save(args.out)
     sim = study.simulate(plan)
     low = ", ".join(f"{kind}: {n}" for kind, n in plan.low_precision_ops().items())
-    print(f"{args.model} on {study.cluster.name} ({args.strategy}): iteration "
-          f"{sim.iteration_us / 1e3:.1f} ms, {sim.throughput_samples_per_s:.0f} samples/s, "
-          f"low-precision ops {low}, planned in {seconds:.2f} s; wrote {args.out}")
+    print(f"{args.model} on {study.cluster.name} ({args.strategy}, compression "
+          f"{plan.compression_settings}): iteration {sim.iteration_us / 1e3:.1f} ms, "
+          f"{sim.throughput_samples_per_s:.0f} samples/s, low-precision ops {low}, planned in "
+          f"{seconds:.2f} s; wrote {args.out}")
 
 
 def _add_simulate_parser(sub) -> None:
@@ -205,16 +220,21 @@ def _add_simulate_parser(sub) -> None:
                           help="measured profile table(s) overriding the roofline")
     simulate.add_argument("--optimizer", choices=list(OPTIMIZER_STATES),
                           help="default: the plan's, else sgd_momentum")
+    simulate.add_argument("--compress", metavar="SPEC",
+                          help="gradient compression, e.g. global_qsgd:8 (default: the plan's, "
+                          "else none)")
     simulate.add_argument("--trace", help="write the Chrome/Perfetto trace JSON here")
     simulate.set_defaults(run=_cmd_simulate)
 
 
 def _cmd_simulate(args) -> None:
     from qsync_lab.cluster import load_cluster
+    from qsync_lab.compress import CompressionSettings
     from qsync_lab.costs import load_cost_model
     from qsync_lab.plan import Plan
     from qsync_lab.simulate import simulate
 
+    CompressionSettings.parse(args.compress)  # a bad spec fails before any work
     plan = Plan.load(args.plan) if args.plan else None
     if plan is not None and args.uniform:
         raise QSyncError("--uniform applies without --plan; the plan says what each op runs")
@@ -231,7 +251,7 @@ def _cmd_simulate(args) -> None:
         cluster = load_cluster(args.cluster or "qsync-paper")
         what = _uniform_plan(graph, args.uniform)
     sim = simulate(graph, what, cluster, load_cost_model(*args.profile) if args.profile
-                   else None, optimizer=args.optimizer)
+                   else None, optimizer=args.optimizer, compression=args.compress)
     cluster_name = cluster.name if cluster is not None else plan.cluster_name
     print(f"{name} on {cluster_name} ({sim.world_size} ranks, traced in {seconds:.1f} s)")
     print(f"iteration {sim.iteration_us / 1e3:.2f} ms, {sim.throughput_samples_per_s:.0f} "

@@ -199,6 +199,30 @@ def test_plan_writes_a_plan_that_loads_back(capsys, tmp_path):
     assert len(plan.ranks) == 4
 
 
+def test_plan_and_simulate_with_compression(capsys, tmp_path):
+    from qsync_lab.plan import Plan
+
+    out = tmp_path / "plan.json"
+    code, text, _ = run(capsys, "plan", "--model", "digits_cnn", "--cluster", "v100-t4-small",
+                        "--calibration-batches", "1", "--compress", "cgx:4,error_feedback=true",
+                        "--out", str(out))
+    assert code == 0 and "compression cgx:4,error_feedback=true" in text
+    settings = Plan.load(out).compression_settings
+    assert settings.spec_for("conv2.weight", numel=18432, ndim=4).error_feedback
+    code, text, _ = run(capsys, "simulate", "--plan", str(out))
+    compressed_ms = float(text.split("iteration ")[1].split(" ms")[0])
+    code, text, _ = run(capsys, "simulate", "--plan", str(out), "--compress", "fp16")
+    assert code == 0 and float(text.split("iteration ")[1].split(" ms")[0]) != compressed_ms
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "profile"])
+def test_a_bad_compression_spec_fails_in_one_line_before_any_work(capsys, command):
+    out = [] if command == "simulate" else ["--out", "x.json"]
+    code, _, err = run(capsys, command, "--model", "digits_mlp", "--compress", "cgx:12", *out)
+    assert code == 2 and "compression cgx: bits must be 1..8, got 12" in err
+    assert err.count("\n") == 1
+
+
 def test_plan_bad_memory_budget_is_one_line(capsys):
     code, _, err = run(capsys, "plan", "--model", "digits_mlp", "--memory-gb", "T4=lots",
                        "--out", "x.json")
@@ -221,6 +245,26 @@ def test_profile_writes_a_table_the_cost_model_reads(capsys, tmp_path):
     assert (ops["time_us"] >= 0).all()
     assert (ops.loc[ops["phase"] == "forward", "time_us"] > 0).all()
     assert load_cost_model(out).profiles[0].source == "profile:cpu.csv"
+
+
+def test_profile_times_the_compressors_the_cost_model_then_uses(capsys, tmp_path):
+    from qsync_lab.costs import load_cost_model, read_profile
+
+    out = tmp_path / "cpu.csv"
+    code, text, _ = run(capsys, "profile", "--model", "digits_mlp", "--batch", "4",
+                        "--precisions", "fp32", "--repeats", "2", "--links", "allreduce",
+                        "--compress", "fp16", "cgx:4,error_feedback=true", "--out", str(out))
+    assert code == 0
+    rows = read_profile(out).frame
+    compress = rows[rows["phase"] == "compress"]
+    assert set(compress["op"]) == {"fp16", "cgx:4,error_feedback=true"}
+    assert set(compress["kind"]) == {"encode", "decode"} and (compress["time_us"] > 0).all()
+    fits = load_cost_model(out).compress_fits
+    assert {(spec, step) for _, spec, step in fits} == {
+        (s, k) for s in ("fp16", "cgx:4,error_feedback=true") for k in ("encode", "decode")}
+    # the error feedback's passes cost more than fp16's cast, at 16 M elements
+    assert (fits["cpu", "cgx:4,error_feedback=true", "encode"].time_us(2**24)
+            > fits["cpu", "fp16", "encode"].time_us(2**24))
 
 
 def test_profile_rejects_bad_numbers(capsys):

@@ -51,11 +51,12 @@ _JOINT_STEPS = 6
 
 def uniform_low_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                           indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-                          optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
+                          optimizer: str = DEFAULT_OPTIMIZER, compression=None) -> Plan:
     """Every candidate of each kind that cannot keep up in its narrowest precision."""
     prepared = prepared_graph(graph)
     constraints = constraints or Constraints()
-    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer)
+    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer,
+                              compression=compression)
     budgets = {k: constraints.memory_budget_bytes(cluster, k) for k in cluster.device_kinds}
     target_us = target_iteration_us(evaluator, constraints)
     precisions = {}
@@ -64,22 +65,23 @@ def uniform_low_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
         precisions[kind] = {prepared.work.names[op]: min(ladder, key=lambda p: p.bits)
                             for op, ladder in zip(choices.ops, choices.ladders)}
     return Plan.build(prepared.graph, cluster, precisions, strategy="uniform-low",
-                      optimizer=optimizer)
+                      optimizer=optimizer, compression=compression)
 
 
 def dynamic_batching(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                      indicator: pd.DataFrame | None, constraints: Constraints | None = None, *,
-                     optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
+                     optimizer: str = DEFAULT_OPTIMIZER, compression=None) -> Plan:
     """All fp32, per-rank batch proportional to fp32 speed (``indicator`` is unused)."""
     prepared = prepared_graph(graph)
-    batches = balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer)
+    batches = balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer,
+                                   compression=compression)
     return Plan.build(prepared.graph, with_batch_sizes(cluster, batches), {},
                       strategy="dynamic-batching", optimizer=optimizer)
 
 
 def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                           indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-                          optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
+                          optimizer: str = DEFAULT_OPTIMIZER, compression=None) -> Plan:
     """The least-risk plan over batch splits from the cluster's to dynamic batching's.
 
     The throughput floor is fixed on ``cluster`` as given: the explicit target, or what
@@ -96,19 +98,20 @@ def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
     floor = constraints.throughput_samples_per_s
     if floor is None:
         own = allocate_detailed(prepared, cluster, costs, indicator, constraints,
-                                optimizer=optimizer)
+                                optimizer=optimizer, compression=compression)
         floor = cluster.global_batch_size * _US_PER_S / own.target_us
     fixed = dataclasses.replace(constraints, throughput_samples_per_s=floor)
     own = np.array([r.batch_size for r in cluster.ranks], float)
-    balanced = np.array(balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer),
-                        float)
+    balanced = np.array(balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer,
+                                             compression=compression), float)
     best, best_key, errors = None, None, []
     for weight in np.linspace(0.0, 1.0, _JOINT_STEPS):
         batches = _rounded((1 - weight) * own + weight * balanced, cluster.global_batch_size)
         split = with_batch_sizes(cluster, batches)
         try:
             result = allocate_detailed(prepared, split, costs, indicator, fixed,
-                                       optimizer=optimizer, strategy="joint")
+                                       optimizer=optimizer, compression=compression,
+                                       strategy="joint")
         except QSyncError as err:
             errors.append(str(err))
             continue
@@ -121,7 +124,8 @@ def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
 
 
 def balanced_batch_sizes(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, *,
-                         optimizer: str = DEFAULT_OPTIMIZER) -> tuple[int, ...]:
+                         optimizer: str = DEFAULT_OPTIMIZER,
+                         compression=None) -> tuple[int, ...]:
     """Per-rank batch sizes proportional to each rank's fp32 samples per second, summing to
     the cluster's global batch (speeds re-measured once at the new sizes)."""
     batches = tuple(r.batch_size for r in cluster.ranks)

@@ -19,23 +19,23 @@ Example::
 """
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import pandas as pd
 
-from qsync_lab.allocate.constraints import Constraints
 from qsync_lab.allocate.baselines import (dynamic_batching, joint_batch_precision,
                                           uniform_low_precision)
-from qsync_lab.optimizers import DEFAULT_OPTIMIZER
-from qsync_lab.simulate import PlanEvaluator
+from qsync_lab.allocate.constraints import Constraints
 from qsync_lab.allocate.qsync import allocate, prepared_graph, target_iteration_us
 from qsync_lab.cluster import Cluster
+from qsync_lab.compress.spec import CompressionSpec
 from qsync_lab.costs import CostModel
 from qsync_lab.devices import BYTES_PER_GIB
 from qsync_lab.graph import OpGraph
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.plan import Plan
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import PreparedGraph, simulate
+from qsync_lab.simulate import PlanEvaluator, PreparedGraph, simulate
 
 __all__ = ["STRATEGIES", "compare_strategies", "plan_risk", "plan_summary"]
 
@@ -43,9 +43,9 @@ Strategy = Callable[..., Plan]
 
 
 def _all_fp32(graph, cluster, costs, indicator, constraints=None, *,
-              optimizer=DEFAULT_OPTIMIZER) -> Plan:
+              optimizer=DEFAULT_OPTIMIZER, compression=None) -> Plan:
     return Plan.build(prepared_graph(graph).graph, cluster, {}, strategy="fp32",
-                      optimizer=optimizer)
+                      optimizer=optimizer, compression=compression)
 
 
 #: name -> allocator with :func:`~qsync_lab.allocate.allocate`'s interface
@@ -95,23 +95,30 @@ def plan_risk(plan: Plan, indicator: pd.DataFrame | None) -> float:
 def compare_strategies(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                        indicator: pd.DataFrame, constraints: Constraints | None = None, *,
                        strategies: Mapping[str, Strategy] | None = None,
-                       optimizer: str = DEFAULT_OPTIMIZER) -> pd.DataFrame:
-    """Run each strategy and tabulate its plan (one row per strategy, indexed by name).
+                       optimizer: str = DEFAULT_OPTIMIZER,
+                       compressions: Sequence = ()) -> pd.DataFrame:
+    """Run each strategy and tabulate its plan (one row per strategy, indexed by name),
+    then the qsync allocation with each of ``compressions`` (rows ``qsync+<spec>``: the
+    allocation knows its communication is compressed).
 
-    Columns: :func:`plan_summary`'s, plus ``meets_target`` (throughput at least the
-    constraint's) and ``allocation_s`` (the strategy's wall time).
+    Columns: :func:`plan_summary`'s, plus ``compression``, ``meets_target`` (throughput at
+    least the constraint's, the uncompressed pace by default) and ``allocation_s`` (the
+    strategy's wall time).
     """
     prepared = prepared_graph(graph)
     constraints = constraints or Constraints()
-    target_us = target_iteration_us(PlanEvaluator(prepared, cluster, costs, optimizer=optimizer),
-                                    constraints)
-    floor = cluster.global_batch_size * 1e6 / target_us
+    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer)
+    floor = cluster.global_batch_size * 1e6 / target_iteration_us(evaluator, constraints)
+    runs = [(name, strategy, None) for name, strategy in (strategies or STRATEGIES).items()]
+    runs += [(f"qsync+{CompressionSpec.parse(c)}", allocate, c) for c in compressions]
     rows = {}
-    for name, strategy in (strategies or STRATEGIES).items():
+    for name, strategy, compression in runs:
         start = time.perf_counter()
-        plan = strategy(prepared, cluster, costs, indicator, constraints, optimizer=optimizer)
+        plan = strategy(prepared, cluster, costs, indicator, constraints, optimizer=optimizer,
+                        compression=compression)
         seconds = time.perf_counter() - start
         row = plan_summary(plan, prepared, cluster, costs, indicator)
+        row["compression"] = str(plan.compression_settings)
         row["meets_target"] = row["throughput_samples_per_s"] >= floor * (1 - 1e-9)
         row["allocation_s"] = seconds
         rows[name] = row

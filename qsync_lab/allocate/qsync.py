@@ -108,7 +108,7 @@ def kinds_to_allocate(evaluator: PlanEvaluator, target_us: float,
 
 def allocate(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
              indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-             optimizer: str = DEFAULT_OPTIMIZER) -> Plan:
+             optimizer: str = DEFAULT_OPTIMIZER, compression=None) -> Plan:
     """The quantization-minimized plan (see the module docstring).
 
     Args:
@@ -119,24 +119,27 @@ def allocate(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostMode
             are the candidates).
         constraints: memory budgets and the throughput floor (default: device memory,
             the fastest kind's fp32 pace).
-        optimizer: as for :func:`~qsync_lab.simulate.simulate`.
+        optimizer, compression: as for :func:`~qsync_lab.simulate.simulate`; the plan
+            records both.
 
     Raises:
         QSyncError: a memory budget below what any plan needs (stating the least), or an
             explicit throughput no plan reaches, in one line.
     """
     return allocate_detailed(graph, cluster, costs, indicator, constraints,
-                             optimizer=optimizer).plan
+                             optimizer=optimizer, compression=compression).plan
 
 
 def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
                       indicator: pd.DataFrame, constraints: Constraints | None = None, *,
-                      optimizer: str = DEFAULT_OPTIMIZER, strategy: str = "qsync") -> Allocation:
+                      optimizer: str = DEFAULT_OPTIMIZER, compression=None,
+                      strategy: str = "qsync") -> Allocation:
     """:func:`allocate` with the predicted iteration time, run time and greedy statistics."""
     prepared = prepared_graph(graph)
     constraints = constraints or Constraints()
     start = time.perf_counter()
-    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer)
+    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer,
+                              compression=compression)
     budgets = {kind: constraints.memory_budget_bytes(cluster, kind)
                for kind in cluster.device_kinds}
     target_us = target_iteration_us(evaluator, constraints)
@@ -168,7 +171,7 @@ def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs:
     precisions = {kind: {names[op]: p for op, p in zip(choices[kind].ops, plans[kind])}
                   for kind in choices}
     plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy,
-                      optimizer=optimizer)
+                      optimizer=optimizer, compression=compression)
     risk = {kind: choices[kind].risk(dict(zip(choices[kind].ops, plans[kind])))
             for kind in choices}
     return Allocation(plan, evaluator.iteration_us, target_us, seconds, stats, risk)

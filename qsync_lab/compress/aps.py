@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite
+from qsync_lab.compress.codec import Encoded, Wire, check_finite, into
 from qsync_lab.kernels import APS_ZERO_EXPONENT, absmax, aps_shift, float_decode, float_quantize
 
 __all__ = ["encode", "reduce", "wire"]
@@ -76,13 +76,13 @@ def _decoded(codes: torch.Tensor, context, spec) -> torch.Tensor:
     return _scaled(_widened(codes, spec), context)
 
 
-def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
     """The ranks' codes widened and summed in fp32 (the shifts are shared: scaled once)."""
     total = None
     for codes in comm.all_gather(encoded.payload):
         value = _widened(codes, spec)
         total = value if total is None else total.add_(value)
-    return _scaled(total, encoded.context, comm.world)
+    return into(out, _scaled(total, encoded.context, comm.world))
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:

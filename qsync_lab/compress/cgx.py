@@ -9,9 +9,12 @@ per value, no re-quantization of partial sums. On ``b`` bits a value costs
 ``b + 64 / group_size`` bits on the wire.
 """
 
+import math
+
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, pack, unpack
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_sum_target, into, pack,
+                                     unpack)
 from qsync_lab.kernels import cgx_decode, cgx_encode
 
 __all__ = ["encode", "reduce", "wire"]
@@ -23,20 +26,21 @@ def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
                         check_finite=False)
     layout = ((torch.float32, packed.meta.numel()), (torch.uint8, packed.payload.numel()))
     finite = own and bool(torch.isfinite(packed.meta).all())
-    return Encoded(pack(packed.meta, packed.payload), (packed, layout),
-                   cgx_decode(packed) if finite else None)
+    own = cgx_decode(packed, out=torch.zeros(x.numel())).view(x.shape) if finite else None
+    return Encoded(pack(packed.meta, packed.payload), (packed, layout), own)
 
 
-def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
     template, layout = encoded.context
     gathered = [unpack(data, *layout) for data in comm.all_gather(encoded.payload)]
     for meta, _ in gathered:
         check_finite(meta, "a cgx bucket")
-    total = torch.zeros(template.shape, dtype=torch.float32)
+    total = float_sum_target(out, math.prod(template.shape))
     for meta, payload in gathered:  # each rank's values added to the sum in one pass
-        cgx_decode(template._replace(meta=meta.reshape(-1, 2),
+        cgx_decode(template._replace(meta=meta.reshape(-1, 2), shape=tuple(total.shape),
                                      payload=payload.reshape(-1, spec.bits)), out=total)
-    return total.div_(comm.world)
+    total.div_(comm.world)
+    return total if total is out else into(out, total)
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:

@@ -7,8 +7,9 @@ has three functions over one flat float32 gradient ``x`` holding one or more par
 
 * ``encode(x, segments, spec, comm, seed) -> Encoded``: this rank's payload (a scale
   all-reduce first where the method has one);
-* ``reduce(encoded, spec, comm) -> Tensor``: the collective and the decode: the mean over
-  the ranks as the method computes it;
+* ``reduce(encoded, spec, comm, out=None) -> Tensor``: the collective and the decode: the
+  mean over the ranks as the method computes it, written into ``out`` (the bucket's
+  gradient, any float dtype) where given, else a new float32 tensor;
 * ``wire(numel, segments, spec, world) -> Wire``: what goes over the wire, for the
   simulator.
 
@@ -25,7 +26,8 @@ import torch
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "check_finite", "pack", "unpack"]
+__all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "check_finite", "float_sum_target",
+           "into", "pack", "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
@@ -77,6 +79,19 @@ def check_finite(flags: torch.Tensor, what: str) -> None:
         raise NonFiniteGradient(f"a gradient of {what} holds NaN or Inf on some rank; the "
                                 "step is stopped on every rank (lower the learning rate, or "
                                 "check the data and the loss)")
+
+
+def into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """``values`` copied into ``out`` (cast to its dtype), or ``values`` when ``out`` is None."""
+    return values if out is None else out.copy_(values)
+
+
+def float_sum_target(out: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """A zeroed float32 tensor to add the ranks' values into: ``out`` itself when it is a
+    contiguous float32 tensor, else a new one (then copied by :func:`into`)."""
+    if out is not None and out.dtype == torch.float32 and out.is_contiguous():
+        return out.zero_()
+    return torch.zeros(numel, dtype=torch.float32)
 
 
 def pack(*parts: torch.Tensor) -> torch.Tensor:

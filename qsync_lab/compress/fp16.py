@@ -21,7 +21,8 @@ Example::
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite
+from qsync_lab.compress.codec import Encoded, Wire, check_finite, into
+from qsync_lab.kernels import absmax
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -29,14 +30,14 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
-    low = (x / comm.world).to(_DTYPES[spec.method])
+    low = (x / comm.world if comm.world > 1 else x).to(_DTYPES[spec.method])
     return Encoded(low, None, low.float().mul_(comm.world) if own else None)
 
 
-def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
-    total = comm.allreduce_sum(encoded.payload).float()
-    check_finite(total, f"a {spec.method} bucket (or its sum overflowed {spec.method})")
-    return total
+def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
+    total = comm.allreduce_sum(encoded.payload)
+    check_finite(absmax(total), f"a {spec.method} bucket (or its sum overflowed {spec.method})")
+    return into(out, total) if out is not None else total.float()
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:

@@ -18,9 +18,10 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite
+from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, into
 from qsync_lab.errors import QSyncError
-from qsync_lab.kernels import absmax, global_qsgd_decode, global_qsgd_encode, quantize_int8
+from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, global_qsgd_encode,
+                               quantize_int8)
 
 __all__ = ["encode", "levels", "reduce", "wire"]
 
@@ -65,16 +66,20 @@ def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
     return Encoded(codes, unit, codes.float().mul_(unit) if own else None)
 
 
-def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
     if spec.dithering == "exponential":
         total = None
         for codes in comm.all_gather(encoded.payload):
             value = global_qsgd_decode(codes, encoded.context, comm.world,
                                        dithering="exponential")
             total = value if total is None else total.add_(value)
-        return total.div_(comm.world)
+        return into(out, total.div_(comm.world))
     total = comm.allreduce_sum(encoded.payload)
-    return total.float().mul_(encoded.context / comm.world)
+    unit = encoded.context / comm.world
+    if total.dtype == torch.int8:  # the kernel writes the mean straight into the bucket
+        return dequantize_int8(total, torch.tensor(unit), dtype=out.dtype if out is not None
+                               else torch.float32, out=out)
+    return into(out, total.float().mul_(unit))
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:

@@ -49,8 +49,11 @@ from torch import nn
 from qsync_lab.compress import aps, cgx, fp16, global_qsgd, qsgd
 from qsync_lab.compress.comm import Comm
 from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
+from qsync_lab.errors import QSyncError
+from qsync_lab.kernels import l2norm
 
-__all__ = ["CompressionState", "compression_hook", "method_module", "register_compression"]
+__all__ = ["CompressionState", "StandaloneBucket", "compression_hook", "method_module",
+           "register_compression"]
 
 _MODULES = {"fp16": fp16, "bf16": fp16, "global_qsgd": global_qsgd, "aps": aps, "cgx": cgx,
             "qsgd": qsgd}
@@ -121,17 +124,21 @@ class CompressionState:
         process_group: the group the compressors' collectives run on (default: a new group
             of DDP's backend, so that they never interleave with DDP's own).
         seed: stochastic rounding streams (each rank and bucket call draws its own).
-        telemetry: measure each bucket's compression error (one extra pass over it).
+        telemetry: measure the compression error of every ``error_every``-th bucket call
+            (it takes a decode of the rank's own payload and two passes over the bucket;
+            the times and bits are counted on every call).
     """
 
     def __init__(self, model: nn.Module, settings, *, process_group=None, seed: int = 0,
-                 telemetry: bool = True) -> None:
+                 telemetry: bool = True, error_every: int = 8) -> None:
         self.settings = CompressionSettings.parse(settings)
         self.names = {id(p): name for name, p in model.named_parameters()}
         group = process_group if process_group is not None else dist.new_group(
             backend=dist.get_backend())
         self.comm = Comm(group)
-        self.seed, self.record = seed, telemetry
+        if not isinstance(error_every, int) or error_every < 1:
+            raise QSyncError(f"error_every must be a positive int, got {error_every!r}")
+        self.seed, self.record, self.error_every = seed, telemetry, error_every
         self.calls = 0
         self.residuals: dict[str, torch.Tensor] = {}
         self._layouts: dict[tuple[int, ...], tuple[Group, ...]] = {}
@@ -168,6 +175,17 @@ class CompressionState:
             if reset:
                 self._stats.clear()
         return out
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue bit-exactly: the call count (it seeds the
+        rounding) and the error-feedback residuals. Read it between steps."""
+        return {"calls": self.calls,
+                "residuals": {name: r.clone() for name, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s ``state``."""
+        self.calls = int(state["calls"])
+        self.residuals = {name: r.clone() for name, r in state["residuals"].items()}
 
     def close(self) -> None:
         """Stop the sender thread (after the buckets already queued)."""
@@ -213,31 +231,35 @@ class CompressionState:
     def _mean(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         spec, comm, module = group.spec, self.comm, method_module(group.spec)
         segments = _segments(group)
+        begin, comm_begin = time.perf_counter(), comm.seconds
         if spec.error_feedback:
             for name, (start, n) in zip(group.names, segments):
                 if name in self.residuals:
                     x[start:start + n] += self.residuals[name]
         seed = zlib.crc32(f"{self.seed}:{comm.rank}:{self.calls}".encode()) & (2**62 - 1)
+        measure = self.record and self.calls % self.error_every == 0
         self.calls += 1
-        own = spec.error_feedback or self.record
-        begin, comm_begin = time.perf_counter(), comm.seconds
-        encoded = module.encode(x, segments, spec, comm, seed, own=own)
+        encoded = module.encode(x, segments, spec, comm, seed,
+                                own=spec.error_feedback or measure)
+        if encoded.own is not None and spec.error_feedback:
+            for name, (start, n) in zip(group.names, segments):
+                part, own = x[start:start + n], encoded.own[start:start + n]
+                if name in self.residuals:  # the residual's memory is reused
+                    torch.sub(part, own, out=self.residuals[name])
+                else:
+                    self.residuals[name] = part - own
         encode_s = time.perf_counter() - begin - (comm.seconds - comm_begin)
-        if encoded.own is not None:
-            if spec.error_feedback:
-                for name, (start, n) in zip(group.names, segments):
-                    self.residuals[name] = x[start:start + n] - encoded.own[start:start + n]
-            error_sq = float((encoded.own - x).double().square().sum())
-            norm_sq = float(x.double().square().sum())
+        error_sq = norm_sq = 0.0
+        if encoded.own is not None and measure:
+            error_sq, norm_sq = l2norm(encoded.own - x) ** 2, l2norm(x) ** 2
         begin, comm_mid = time.perf_counter(), comm.seconds
-        mean = module.reduce(encoded, spec, comm)
+        module.reduce(encoded, spec, comm, out=x)  # the mean, into the bucket
         comm_s = comm.seconds - comm_begin
         decode_s = time.perf_counter() - begin - (comm.seconds - comm_mid)
         wire = module.wire(x.numel(), segments, spec, comm.world)
         self._count(spec.method, x.numel(), 8 * (wire.payload_bytes + wire.scale_sync_bytes),
-                    encode_s, comm_s, decode_s,
-                    *((error_sq, norm_sq) if encoded.own is not None else (0.0, 0.0)))
-        return x.copy_(mean)
+                    encode_s, comm_s, decode_s, error_sq, norm_sq)
+        return x
 
     def _count(self, method: str, elements: int, wire_bits: float, encode_s: float,
                comm_s: float, decode_s: float, error_sq: float = 0.0,
@@ -266,6 +288,31 @@ def _segments(group: Group) -> list[tuple[int, int]]:
     return out
 
 
+class StandaloneBucket:
+    """What the hook reads of a ``GradBucket`` (``buffer()``, ``parameters()``), for one
+    parameter whose flat gradient is ``buffer``: the hook run outside DDP's backward
+    (profiles, benchmarks).
+
+    Example::
+
+        >>> param = nn.Parameter(torch.zeros(2, 3))
+        >>> StandaloneBucket(param, torch.ones(6)).buffer().shape
+        torch.Size([6])
+    """
+
+    def __init__(self, param: torch.Tensor, buffer: torch.Tensor) -> None:
+        if buffer.numel() != param.numel():
+            raise QSyncError(f"a bucket of {buffer.numel()} elements cannot hold a parameter "
+                             f"of {param.numel()}")
+        self._param, self._buffer = param, buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._param]
+
+
 def compression_hook(state: CompressionState,
                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's mean over the ranks, each group compressed by its spec.
@@ -276,7 +323,7 @@ def compression_hook(state: CompressionState,
 
 
 def register_compression(ddp_model, settings, *, process_group=None, seed: int = 0,
-                         telemetry: bool = True) -> CompressionState:
+                         telemetry: bool = True, error_every: int = 8) -> CompressionState:
     """Compress ``ddp_model``'s gradient communication as ``settings`` say; its state.
 
     Call it on every rank, after wrapping the model in DDP and before the first backward.
@@ -286,9 +333,9 @@ def register_compression(ddp_model, settings, *, process_group=None, seed: int =
         settings: a :class:`~qsync_lab.compress.spec.CompressionSpec` or its short form
             (``"global_qsgd:8"``) for every parameter, or a mapping from parameter FQN
             patterns (exact, ``re:...``, ``_default``) to specs or None.
-        process_group, seed, telemetry: see :class:`CompressionState`.
+        process_group, seed, telemetry, error_every: see :class:`CompressionState`.
     """
     state = CompressionState(ddp_model.module, settings, process_group=process_group,
-                             seed=seed, telemetry=telemetry)
+                             seed=seed, telemetry=telemetry, error_every=error_every)
     ddp_model.register_comm_hook(state, compression_hook)
     return state

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, pack, unpack
+from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, into, pack, unpack
 from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_encode
 
 __all__ = ["encode", "levels", "reduce", "wire"]
@@ -34,14 +34,14 @@ def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
                    qsgd_decode(codes, norm, levels(spec)) if own and finite else None)
 
 
-def reduce(encoded: Encoded, spec, comm) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
     total = None
     for data in comm.all_gather(encoded.payload):
         norm, codes = unpack(data, (torch.float32, 1), (torch.int8, encoded.context))
         check_finite(norm, "a qsgd bucket")
         value = qsgd_decode(codes, float(norm), levels(spec))
         total = value if total is None else total.add_(value)
-    return total.div_(comm.world)
+    return into(out, total.div_(comm.world))
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:

@@ -125,14 +125,31 @@ class CompressionSpec:
                                           if getattr(self, f.name) != getattr(default, f.name)}}
 
     def __str__(self) -> str:
+        """The short form, then the other settings that differ from the defaults.
+
+        Example::
+
+            >>> str(CompressionSpec("cgx", bits=4, error_feedback=True))
+            'cgx:4,error_feedback=true'
+        """
         short = {"global_qsgd": f":{self.bits}", "cgx": f":{self.bits}",
                  "qsgd": f":{self.bits}", "aps": f":{self.format}"}.get(self.method, "")
-        return self.method + short
+        extra = {k: v for k, v in self.to_dict().items() if k not in ("method", "bits", "format")}
+        return self.method + short + "".join(
+            f",{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in extra.items())
+
+    @property
+    def cost_label(self) -> str:
+        """The text of the settings that change the time per element (profiles key their
+        measurements by it): :meth:`__str__` without ``min_numel`` and ``compress_1d``."""
+        default = CompressionSpec(self.method)
+        return str(replace(self, min_numel=default.min_numel, compress_1d=default.compress_1d))
 
     @classmethod
     def parse(cls, spec: "str | Mapping[str, Any] | CompressionSpec") -> "CompressionSpec":
-        """A spec from its short form (``method[:bits]``, ``aps[:format]``), a mapping of
-        its fields, or a spec."""
+        """A spec from its text (``method[:bits]`` or ``aps[:format]``, then optional
+        ``,field=value`` settings: ``cgx:4,error_feedback=true,group_size=512``), a mapping
+        of its fields, or a spec."""
         if isinstance(spec, CompressionSpec):
             return spec
         if isinstance(spec, Mapping):
@@ -143,16 +160,18 @@ class CompressionSpec:
             return cls(**spec)
         if not isinstance(spec, str) or not spec.strip():
             raise QSyncError(f"compression spec must be text like 'global_qsgd:8', got {spec!r}")
-        method, _, arg = spec.strip().lower().partition(":")
+        head, *settings = spec.strip().lower().split(",")
+        method, _, arg = head.partition(":")
         base = cls(method)
-        if not arg:
-            return base
-        if method == "aps":
-            return replace(base, format=arg)
-        if method in ("global_qsgd", "cgx", "qsgd") and arg.isdigit():
-            return replace(base, bits=int(arg))
-        raise QSyncError(f"cannot read compression spec {spec!r}; write method[:bits] "
-                         "(global_qsgd:8, cgx:4, qsgd:4), aps[:fp8_e4m3], fp16 or bf16")
+        if arg and method == "aps":
+            base = replace(base, format=arg)
+        elif arg and method in ("global_qsgd", "cgx", "qsgd") and arg.isdigit():
+            base = replace(base, bits=int(arg))
+        elif arg:
+            raise QSyncError(f"cannot read compression spec {spec!r}; write method[:bits] "
+                             "(global_qsgd:8, cgx:4, qsgd:4), aps[:fp8_e4m3], fp16 or bf16, "
+                             "then any ,field=value settings")
+        return replace(base, **dict(_setting(item, spec) for item in settings))
 
 
 @dataclass(frozen=True)
@@ -215,6 +234,25 @@ class CompressionSettings:
         return ", ".join(f"{str(spec) if spec else 'none'}"
                          + ("" if pattern == _DEFAULT_KEY else f" for {pattern}")
                          for pattern, spec in self.rules)
+
+
+def _setting(item: str, spec: str) -> tuple[str, Any]:
+    """One ``field=value`` of a spec's text, the value typed as the field is."""
+    name, eq, text = item.strip().partition("=")
+    kinds = {f.name: f.type for f in fields(CompressionSpec)[1:]}
+    if not eq or name not in kinds:
+        raise QSyncError(f"cannot read {item!r} in compression spec {spec!r}; write "
+                         f"field=value with a field among {', '.join(kinds)}")
+    kind = kinds[name]
+    if kind in (bool, "bool"):
+        if text not in ("true", "false"):
+            raise QSyncError(f"compression spec {spec!r}: {name} must be true or false")
+        return name, text == "true"
+    if kind in (int, "int"):
+        if not text.isdigit():
+            raise QSyncError(f"compression spec {spec!r}: {name} must be a whole number")
+        return name, int(text)
+    return name, text
 
 
 def _is_spec_mapping(value: Any) -> bool:

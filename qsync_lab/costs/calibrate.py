@@ -31,16 +31,18 @@ import pandas as pd
 from qsync_lab.devices import US_PER_SECOND, DeviceSpec
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
+from qsync_lab.costs.profiles import OP_PHASES
 from qsync_lab.costs.roofline import Roofline, default_roofline
 
-__all__ = ["CastFit", "calibrate_efficiency", "fit_cast_costs"]
+__all__ = ["CastFit", "calibrate_efficiency", "fit_cast_costs", "fit_compression_costs"]
 
 _MAX_ROUNDS = 50
 
 
 @dataclass(frozen=True)
 class CastFit:
-    """``time_us = a_us_per_element * numel + b_us`` for one (device, src, dst) cast.
+    """``time_us = a_us_per_element * numel + b_us``: one cast (device, src, dst), or one
+    compressor's encode or decode.
 
     Attributes:
         a_us_per_element: slope.
@@ -55,7 +57,7 @@ class CastFit:
     source: str
 
     def time_us(self, numel: "float | np.ndarray") -> "float | np.ndarray":
-        """The fitted time of converting ``numel`` elements (never negative)."""
+        """The fitted time for ``numel`` elements (never negative)."""
         return np.maximum(self.a_us_per_element * numel + self.b_us, 0.0)
 
 
@@ -81,7 +83,7 @@ def calibrate_efficiency(measured: pd.DataFrame, device: DeviceSpec, *,
         A new :class:`Roofline` for ``device``.
     """
     base = base if base is not None else default_roofline()
-    rows = measured[(measured["device"] == device.name) & (measured["phase"] != "cast")]
+    rows = measured[(measured["device"] == device.name) & measured["phase"].isin(OP_PHASES)]
     if rows.empty:
         raise QSyncError(f"no measured op rows for device {device.name!r} in {source}; "
                          "profile that device first")
@@ -144,14 +146,38 @@ def fit_cast_costs(measured: pd.DataFrame, *, source: str = "measured"
     fits: dict[tuple[str, Precision, Precision], CastFit] = {}
     for (device, pair), group in casts.groupby(["device", "precision"], sort=True):
         src, _, dst = pair.partition("->")
-        numel = group["numel"].to_numpy(float)
-        t = group["time_us"].to_numpy(float)
-        if len(np.unique(numel)) >= 2:
-            a, b = np.polyfit(numel, t, 1)
-        elif numel.mean() > 0:
-            a, b = float(t.mean() / numel.mean()), 0.0
-        else:
-            a, b = 0.0, float(t.mean())
-        fits[(device, Precision.parse(src), Precision.parse(dst))] = CastFit(
-            float(a), float(b), len(group), f"fit:{source}")
+        fits[(device, Precision.parse(src), Precision.parse(dst))] = _line(group, source)
     return MappingProxyType(fits)
+
+
+def fit_compression_costs(measured: pd.DataFrame, *, source: str = "measured"
+                          ) -> Mapping[tuple[str, str, str], CastFit]:
+    """Fit ``time_us = a·numel + b`` per (device, compression spec, "encode"/"decode") from
+    the profile's ``compress`` rows (``op`` the spec, ``kind`` the step).
+
+    Example::
+
+        >>> import pandas as pd
+        >>> rows = pd.DataFrame({"device": "cpu", "phase": "compress", "op": "cgx:4",
+        ...                      "kind": "encode", "numel": [1e6, 2e6], "time_us": [110.0, 210.0]})
+        >>> fit = fit_compression_costs(rows)[("cpu", "cgx:4", "encode")]
+        >>> round(float(fit.time_us(4e6)), 6)
+        410.0
+    """
+    rows = measured[measured["phase"] == "compress"]
+    return MappingProxyType({key: _line(group, source) for key, group in
+                             rows.groupby(["device", "op", "kind"], sort=True)})
+
+
+def _line(group: pd.DataFrame, source: str) -> CastFit:
+    """The least-squares line of ``time_us`` over ``numel`` (through the origin from one
+    size)."""
+    numel = group["numel"].to_numpy(float)
+    t = group["time_us"].to_numpy(float)
+    if len(np.unique(numel)) >= 2:
+        a, b = np.polyfit(numel, t, 1)
+    elif numel.mean() > 0:
+        a, b = float(t.mean() / numel.mean()), 0.0
+    else:
+        a, b = 0.0, float(t.mean())
+    return CastFit(float(a), float(b), len(group), f"fit:{source}")

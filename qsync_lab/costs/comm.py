@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from qsync_lab.devices import US_PER_SECOND, LinkSpec
 from qsync_lab.errors import QSyncError
 
-__all__ = ["broadcast_us", "ring_allreduce_us", "ring_wire_bytes", "slowest_link"]
+__all__ = ["broadcast_us", "ring_allgather_us", "ring_allreduce_us", "ring_wire_bytes",
+           "slowest_link"]
 
 
 def ring_wire_bytes(nbytes: float, ranks: int) -> float:
@@ -70,3 +71,19 @@ def ring_allreduce_us(nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> f
     link = slowest_link(links)
     seconds = ring_wire_bytes(nbytes, ranks) / link.bandwidth_Bps + 2 * (ranks - 1) * link.latency_s
     return seconds * US_PER_SECOND
+
+
+def ring_allgather_us(nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> float:
+    """Ring all-gather of ``nbytes`` from every rank: each rank sends and receives the
+    others' ``(n-1)·S`` bytes in ``n-1`` steps.
+
+    Example::
+
+        >>> from qsync_lab.devices import LinkSpec
+        >>> ring_allgather_us(1e6, 3, [LinkSpec("l", 1e9, 10e-6, "x")])   # 2 x (1 ms + 10 us)
+        2020.0
+    """
+    if ranks == 1 or nbytes == 0:
+        return 0.0
+    link = slowest_link(links)
+    return (ranks - 1) * (nbytes / link.bandwidth_Bps + link.latency_s) * US_PER_SECOND

@@ -33,9 +33,10 @@ from types import MappingProxyType
 
 import numpy as np
 
-from qsync_lab.costs.calibrate import CastFit, calibrate_efficiency, fit_cast_costs
-from qsync_lab.costs.comm import broadcast_us, ring_allreduce_us, slowest_link
-from qsync_lab.costs.profiles import ProfileTable, read_profile
+from qsync_lab.costs.calibrate import (CastFit, calibrate_efficiency, fit_cast_costs,
+                                       fit_compression_costs)
+from qsync_lab.costs.comm import broadcast_us, ring_allgather_us, ring_allreduce_us, slowest_link
+from qsync_lab.costs.profiles import OP_PHASES, ProfileTable, read_profile
 from qsync_lab.costs.roofline import Roofline, default_roofline
 from qsync_lab.costs.work import OpWork, phase_work, shape_key
 from qsync_lab.devices import DeviceCatalog, DeviceSpec, LinkSpec, load_catalog
@@ -72,6 +73,8 @@ class CostModel:
         default_roofline: the roofline for uncalibrated devices.
         profiles: measured tables, searched in order; the first match wins.
         cast_fits: (device, src, dst) -> :class:`CastFit`.
+        compress_fits: (device, compression spec, "encode"/"decode") -> :class:`CastFit`:
+            the gradient compressors' measured time per call.
         link_fits: link name -> measured :class:`LinkSpec` replacing the catalog's link of
             that name in allreduces (its ``source`` names the fit).
         step_overhead_us: device name -> fixed cost per training step that isolated op
@@ -89,6 +92,7 @@ class CostModel:
     default_roofline: Roofline = field(default_factory=default_roofline)
     profiles: tuple[ProfileTable, ...] = ()
     cast_fits: Mapping[tuple[str, Precision, Precision], CastFit] = field(default_factory=dict)
+    compress_fits: Mapping[tuple[str, str, str], CastFit] = field(default_factory=dict)
     link_fits: Mapping[str, LinkSpec] = field(default_factory=dict)
     step_overhead_us: Mapping[str, float] = field(default_factory=dict)
     event_overhead_us: Mapping[str, float] = field(default_factory=dict)
@@ -111,21 +115,24 @@ class CostModel:
         tables = tuple(read_profile(p) for p in paths)
         rooflines: dict[str, Roofline] = {}
         cast_fits: dict[tuple[str, Precision, Precision], CastFit] = {}
+        compress_fits: dict[tuple[str, str, str], CastFit] = {}
         overheads: dict[str, dict[str, float]] = {key: {} for key in _OVERHEAD_KEYS}
         for table in tables:
             for key in _OVERHEAD_KEYS:
                 if key in table.metadata and "device" in table.metadata:
                     device_name = catalog.device(table.metadata["device"]).name
                     overheads[key][device_name] = _metadata_number(table, key)
-            ops = table.frame[table.frame["phase"] != "cast"]
+            ops = table.frame[table.frame["phase"].isin(OP_PHASES)]
             if calibrate:
                 for name in ops["device"].unique():
                     device = catalog.device(name)
                     rooflines[device.name] = calibrate_efficiency(ops, device,
                                                                   source=table.source)
             cast_fits.update(fit_cast_costs(table.frame, source=table.source))
+            compress_fits.update(fit_compression_costs(table.frame, source=table.source))
         return cls(MappingProxyType(rooflines), profiles=tables,
                    cast_fits=MappingProxyType(cast_fits),
+                   compress_fits=MappingProxyType(compress_fits),
                    **{key: MappingProxyType(values) for key, values in overheads.items()})
 
     def emulating(self, alias: str, device: str) -> "CostModel":
@@ -147,6 +154,9 @@ class CostModel:
         cast_fits = dict(self.cast_fits)
         cast_fits.update({(alias, src, dst): fit for (name, src, dst), fit in
                           self.cast_fits.items() if name == device})
+        compress_fits = dict(self.compress_fits)
+        compress_fits.update({(alias, spec, step): fit for (name, spec, step), fit in
+                              self.compress_fits.items() if name == device})
         overheads = {}
         for key in _OVERHEAD_KEYS:
             values = dict(getattr(self, key))
@@ -155,6 +165,7 @@ class CostModel:
             overheads[key] = MappingProxyType(values)
         return dataclasses.replace(
             self, rooflines=MappingProxyType(rooflines), cast_fits=MappingProxyType(cast_fits),
+            compress_fits=MappingProxyType(compress_fits),
             profiles=tuple(table.aliased(alias, device) for table in self.profiles),
             **overheads)
 
@@ -249,6 +260,41 @@ class CostModel:
             return Cost(0.0, "single rank")
         links, source = self._links(links)
         return Cost(ring_allreduce_us(nbytes, ranks, links), source)
+
+    def allgather_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
+        """Ring all-gather of ``nbytes`` from every rank, limited by the slowest link.
+
+        Example::
+
+            >>> link = load_catalog().link("eth_100g")
+            >>> CostModel().allgather_time_us(25e6, 2, [link])   # 2 ms + 20 us
+            Cost(us=2020.0, source='alpha-beta:eth_100g')
+        """
+        if ranks == 1:
+            return Cost(0.0, "single rank")
+        links, source = self._links(links)
+        return Cost(ring_allgather_us(nbytes, ranks, links), source)
+
+    def compression_time_us(self, spec: str, step: str, numel: float, bytes_per_element: float,
+                            device: DeviceSpec) -> Cost:
+        """One gradient compressor's ``step`` ("encode", or "decode" of one rank's payload)
+        over ``numel`` elements on ``device``: a fitted line where the profiles measured this
+        spec (its short form, e.g. "global_qsgd:8"), else the roofline of
+        ``bytes_per_element`` read and written, plus a launch.
+
+        Example::
+
+            >>> t4 = load_catalog().device("T4")
+            >>> CostModel().compression_time_us("cgx:4", "encode", 32e6, 8.5, t4)
+            Cost(us=1067.5, source='roofline')
+        """
+        fit = self.compress_fits.get((device.name, spec, step))
+        if fit is not None:
+            return Cost(float(fit.time_us(numel)), fit.source)
+        roofline = self.roofline_for(device)
+        times = roofline.times_us(np.zeros(1), np.array([numel * bytes_per_element]),
+                                  [_CAST_KIND], device, [Precision.FP32])
+        return Cost(float(times[0]), roofline.source)
 
     def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
         """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the

@@ -56,12 +56,15 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_text
 from qsync_lab.precision import Precision
 
-__all__ = ["PROFILE_COLUMNS", "PROFILE_PHASES", "ProfileTable", "read_profile",
+__all__ = ["OP_PHASES", "PROFILE_COLUMNS", "PROFILE_PHASES", "ProfileTable", "read_profile",
            "write_profile"]
 
 PROFILE_COLUMNS = ("device", "op", "kind", "shape_key", "precision", "plan_precision", "phase",
                    "batch_size", "numel", "flops", "bytes", "time_us", "repeats")
-PROFILE_PHASES = ("forward", "backward_input", "backward_weight", "cast")
+#: op phases, then the runtime's casts and the gradient compressors' encode and decode
+#: (``kind`` "encode" or "decode", ``op`` the compression spec, e.g. "global_qsgd:8")
+PROFILE_PHASES = ("forward", "backward_input", "backward_weight", "cast", "compress")
+OP_PHASES = PROFILE_PHASES[:3]
 _TEXT = ("device", "op", "kind", "shape_key", "precision", "plan_precision", "phase")
 _META_PREFIX = "#"
 
@@ -93,7 +96,7 @@ class ProfileTable:
         key, the mean over the rows of that key (ops of one kind and shapes, e.g. the
         layers of a transformer, timed in different places of a step)."""
         frame = _checked(frame, source)
-        ops = frame[frame["phase"] != "cast"]
+        ops = frame[frame["phase"].isin(OP_PHASES)]
         by_op = {(d, o, p, ph, int(b)): float(t) for d, o, p, ph, b, t in zip(
             ops["device"], ops["op"], ops["plan_precision"], ops["phase"], ops["batch_size"],
             ops["time_us"]) if o}

@@ -22,6 +22,8 @@ from qsync_lab.profile.allreduce import (AlphaBetaFit, default_sizes, fit_alpha_
                                          profile_allreduce)
 from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit_casts,
                                      profile_casts)
+from qsync_lab.profile.compression import (DEFAULT_COMPRESSION_SPECS, default_compression_sizes,
+                                           profile_compression)
 from qsync_lab.profile.concurrent import median_over_processes, profile_ops_concurrently
 from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
                                        measure_buffer_broadcast, measure_ddp_overhead)
@@ -32,11 +34,12 @@ from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
 from qsync_lab.profile.timing import intra_op_threads, median_time_us, run_metadata
 
 __all__ = [
-    "LINK_METHODS", "METHODS", "AlphaBetaFit", "LineFit", "ProfileJob", "ProfileWritten",
-    "autograd_call_overhead_us", "copy_pass_us", "default_cast_sizes", "default_copy_sizes",
-    "default_sizes", "fit_alpha_beta", "fit_buffer_broadcast", "fit_casts", "fit_ddp_link",
-    "fit_line", "fit_step_overhead", "intra_op_threads", "measure_buffer_broadcast",
+    "DEFAULT_COMPRESSION_SPECS", "LINK_METHODS", "METHODS", "AlphaBetaFit", "LineFit",
+    "ProfileJob", "ProfileWritten", "autograd_call_overhead_us", "copy_pass_us",
+    "default_cast_sizes", "default_compression_sizes", "default_copy_sizes", "default_sizes",
+    "fit_alpha_beta", "fit_buffer_broadcast", "fit_casts", "fit_ddp_link", "fit_line",
+    "fit_step_overhead", "intra_op_threads", "measure_buffer_broadcast",
     "measure_ddp_overhead", "median_over_processes", "median_time_us", "profile_allreduce",
-    "profile_casts", "profile_machine", "profile_ops", "profile_ops_concurrently",
-    "run_metadata", "step_overhead_metadata",
+    "profile_casts", "profile_compression", "profile_machine", "profile_ops",
+    "profile_ops_concurrently", "run_metadata", "step_overhead_metadata",
 ]

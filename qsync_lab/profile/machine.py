@@ -9,7 +9,9 @@ need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_devic
 2. ``casts`` (optional): the runtime's precision conversions and DDP's in-place copies;
 3. ``step overhead``: the framework's cost of a training step (calibration MLPs);
 4. ``links`` (optional): gloo allreduces fitted α–β, refitted to what real DDP steps add
-   (``"ddp"``), and DDP's buffer broadcast.
+   (``"ddp"``), and DDP's buffer broadcast;
+5. ``compression`` (optional): the gradient compressors' encode and decode per spec
+   (:func:`~qsync_lab.profile.compression.profile_compression`).
 
 Example::
 
@@ -39,6 +41,7 @@ from qsync_lab.precision import Precision
 from qsync_lab.profile.allreduce import default_sizes, fit_alpha_beta, profile_allreduce
 from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit_casts,
                                      profile_casts)
+from qsync_lab.profile.compression import default_compression_sizes, profile_compression
 from qsync_lab.profile.concurrent import profile_ops_concurrently
 from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
                                        measure_buffer_broadcast, measure_ddp_overhead)
@@ -82,7 +85,7 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                     precisions: Sequence["Precision | str"], threads: int = 1,
                     repeats: int = 10, processes: int = 1, method: str = "in_step",
                     casts: bool = True, links: str | None = "ddp",
-                    progress: bool = True) -> ProfileWritten:
+                    compression: Sequence[str] = (), progress: bool = True) -> ProfileWritten:
     """Run the stages of the module docstring and write the profile to ``out``.
 
     Raises:
@@ -95,7 +98,8 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                          f"{', '.join(map(str, LINK_METHODS))}")
     names = [str(Precision.parse(p)) for p in precisions]
     stages = ([f"ops: {job.name}" for job in jobs] + (["casts"] if casts else [])
-              + ["step overhead"] + ([f"links ({links})"] if links else []))
+              + ["step overhead"] + ([f"links ({links})"] if links else [])
+              + (["compression"] if compression else []))
     bar = tqdm(stages, desc="profile", unit="stage", disable=not progress)
     measure = (functools.partial(profile_ops_concurrently, processes=processes, threads=threads)
                if processes > 1 else functools.partial(profile_ops, progress=False))
@@ -127,8 +131,15 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
         link_meta, link_text = _links(links, cast_rows, threads, repeats, Path(out).name)
         metadata.update(link_meta)
         bar.update()
+    compress_rows = pd.DataFrame()
+    if compression:
+        bar.set_postfix_str("compression")
+        with intra_op_threads(threads):
+            compress_rows = profile_compression(compression, default_compression_sizes(),
+                                                repeats=repeats)
+        bar.update()
     bar.close()
-    write_device_profile(out, [*frames, cast_rows], metadata)
+    write_device_profile(out, [*frames, cast_rows, compress_rows], metadata)
     return ProfileWritten(Path(out), sum(len(f) for f in frames), len(cast_rows), link_text)
 
 

@@ -173,13 +173,13 @@ class _Run:
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rounding_counters(self.ddp.module, state["rounding"][self.rank])
         if self.compression is not None:
-            self.compression.calls = int(state["compression_calls"][self.rank])
+            self.compression.load_state_dict(state["compression"][self.rank])
         restore_rng_state(state["rng"][self.rank])
         return int(state["step"])
 
     def _checkpoint(self, step: int) -> None:
         mine = (capture_rng_state(), rounding_counters(self.ddp.module),
-                self.compression.calls if self.compression is not None else 0)
+                self.compression.state_dict() if self.compression is not None else None)
         gathered = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if self.rank == 0:
@@ -187,7 +187,7 @@ class _Run:
                 "step": step, "model": self.ddp.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "plan": self.plan.to_dict(),
                 "rng": [g[0] for g in gathered], "rounding": [g[1] for g in gathered],
-                "compression_calls": [g[2] for g in gathered],
+                "compression": [g[2] for g in gathered],
                 "config": {k: v for k, v in vars(self.config).items()}})
 
     def _step(self, step: int) -> tuple[float, float]:

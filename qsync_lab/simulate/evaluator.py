@@ -41,6 +41,7 @@ from qsync_lab.devices import LinkSpec
 from qsync_lab.errors import QSyncError
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.policy import OpPrecision, PrecisionAssignment, resolve_precisions, validate_plan
+from qsync_lab.simulate.compression import bucket_comm
 from qsync_lab.simulate.memory import memory_breakdown
 from qsync_lab.simulate.prepare import PreparedGraph
 from qsync_lab.simulate.schedule import ComputeTimeline, compute_timeline
@@ -105,11 +106,13 @@ class PlanEvaluator:
         costs: the cost model.
         plan: the starting plan, device kind -> {op FQN or index -> precision spec}.
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``.
+        compression: gradient compression settings (a spec, a mapping parameter pattern ->
+            spec, or None; :mod:`qsync_lab.simulate.compression` costs them).
     """
 
     def __init__(self, prepared: PreparedGraph, cluster: Cluster, costs: CostModel,
                  plan: Mapping[str, Mapping["int | str", object]] | None = None, *,
-                 optimizer: str = DEFAULT_OPTIMIZER) -> None:
+                 optimizer: str = DEFAULT_OPTIMIZER, compression=None) -> None:
         self.prepared, self.cluster, self.costs, self.optimizer = (prepared, cluster, costs,
                                                                   optimizer)
         self._state = {kind: MappingProxyType(ops) for kind, ops in validate_plan(
@@ -118,7 +121,8 @@ class PlanEvaluator:
         self.classes = tuple(sorted({(r.device, r.batch_size) for r in cluster.ranks},
                                     key=lambda c: (cluster.device_kinds.index(c[0]), c[1])))
         self.ddp = _ddp_work(prepared, cluster, costs)
-        self.allreduce = _allreduce_costs(prepared, cluster, costs)
+        self.comm = bucket_comm(prepared, cluster, costs, compression, ring_links(cluster)
+                                if cluster.world_size > 1 else None)
         self.tails = tuple(_tail_costs(prepared, cluster, costs, self.devices[name], optimizer)
                            for name, _ in self.classes)
         self._shared = [shares_cores(self.devices[name]) for name, _ in self.classes]
@@ -213,7 +217,7 @@ class PlanEvaluator:
         """The allreduce stream, then each class's unpack and optimizer step."""
         replay = replay_allreduces([line.bucket_ready_us for line in timelines],
                                    [line.backward_end_us for line in timelines],
-                                   [c.us for c in self.allreduce], self._shared)
+                                   [c.cost.us for c in self.comm], self._shared)
         end_us = float(max(tail_end_us(max(end, replay.end_us), *tail)
                            for end, tail in zip(replay.backward_end_us, self.tails)))
         return replay, end_us
@@ -236,14 +240,6 @@ def _tail_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, dev
     unpack = (copy_time_us(float(prepared.bucket_bytes.sum()), costs, device)
               if cluster.world_size > 1 and len(prepared.bucket_bytes) else None)
     return unpack, costs.optimizer_time_us(prepared.grad_param_bytes, optimizer, device)
-
-
-def _allreduce_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> list[Cost]:
-    if cluster.world_size == 1:
-        return []
-    links = ring_links(cluster)
-    return [costs.allreduce_time_us(size, cluster.world_size, links)
-            for size in prepared.bucket_bytes]
 
 
 def ring_links(cluster: Cluster) -> list[LinkSpec]:

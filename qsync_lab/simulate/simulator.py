@@ -42,12 +42,13 @@ import numpy as np
 import pandas as pd
 
 from qsync_lab.cluster import Cluster
-from qsync_lab.costs import Cost, CostModel, ring_wire_bytes
+from qsync_lab.costs import Cost, CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.plan import Plan
 from qsync_lab.policy import KindPlan
+from qsync_lab.simulate.compression import BucketComm
 from qsync_lab.simulate.evaluator import PlanEvaluator
 from qsync_lab.simulate.events import StreamEvents
 from qsync_lab.simulate.memory import MEMORY_COMPONENTS
@@ -63,7 +64,8 @@ _US_PER_S = 1e6
 
 def simulate(graph: "OpGraph | PreparedGraph", plan: "Plan | Mapping[str, KindPlan]",
              cluster: Cluster | None = None, costs: CostModel | None = None, *,
-             optimizer: str | None = None, bucket_cap_mb: float | None = None) -> SimResult:
+             optimizer: str | None = None, compression=None,
+             bucket_cap_mb: float | None = None) -> SimResult:
     """Simulate one training iteration (see the module docstring).
 
     Args:
@@ -78,23 +80,28 @@ def simulate(graph: "OpGraph | PreparedGraph", plan: "Plan | Mapping[str, KindPl
         costs: the cost model (default: :class:`CostModel`'s roofline).
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw`` (default: the plan's,
             else :data:`~qsync_lab.optimizers.DEFAULT_OPTIMIZER`).
+        compression: gradient compression (a spec such as ``"global_qsgd:8"``, a mapping
+            parameter pattern -> spec; default: the plan's, else none).
         bucket_cap_mb: DDP's ``bucket_cap_mb`` (None: DDP's default); for a prepared graph
             leave it None (the buckets are already built).
 
     Raises:
         QSyncError: an invalid plan or optimizer, in one line.
     """
+    if isinstance(plan, Plan) and compression is None:
+        compression = plan.compression_settings
     plan, cluster, optimizer = plan_parts(plan, cluster, optimizer)
     costs = costs if costs is not None else CostModel()
     prepared = _prepared(graph, bucket_cap_mb)
-    return render(PlanEvaluator(prepared, cluster, costs, plan, optimizer=optimizer))
+    return render(PlanEvaluator(prepared, cluster, costs, plan, optimizer=optimizer,
+                                compression=compression))
 
 
 def render(evaluator: PlanEvaluator) -> SimResult:
     """The :class:`SimResult` of an evaluator's current state."""
     prepared, cluster, replay = evaluator.prepared, evaluator.cluster, evaluator.replay
     states = evaluator.states
-    comm = _allreduce_stream(prepared, replay, evaluator.allreduce)
+    comm = _comm_stream(replay, evaluator.comm, prepared.bucket_bytes)
     compute = tuple(
         _finish_iteration(state.timeline, replay, i, evaluator.optimizer, *evaluator.tails[i],
                           prepared.grad_param_bytes)
@@ -106,7 +113,7 @@ def render(evaluator: PlanEvaluator) -> SimResult:
     memory = pd.DataFrame([state.memory for state in states], columns=list(MEMORY_COMPONENTS))
     ranks = pd.RangeIndex(cluster.world_size, name="rank")
     per_rank_memory = memory.iloc[class_of_rank].set_axis(ranks)
-    wire = sum(ring_wire_bytes(b, cluster.world_size) for b in prepared.bucket_bytes)
+    wire = sum(bucket.sent_bytes for bucket in evaluator.comm)
     return SimResult(
         iteration_us=iteration_us,
         idle_us=pd.Series(iteration_us - busy_us, index=ranks, name="idle_us"),
@@ -145,16 +152,18 @@ def _prepared(graph: "OpGraph | PreparedGraph", bucket_cap_mb: float | None) -> 
     return graph
 
 
-def _allreduce_stream(prepared: PreparedGraph, replay: AllreduceReplay,
-                      allreduce: list[Cost]) -> StreamEvents:
-    """One allreduce event per bucket, as replayed."""
-    n = len(allreduce)
+def _comm_stream(replay: AllreduceReplay, comm: list[BucketComm],
+                 bucket_bytes) -> StreamEvents:
+    """One event per bucket, as replayed: ``allreduce`` (fp32) or ``compressed`` (its
+    specs in the plan precision field), with the bucket's bytes."""
+    n = len(comm)
     if not n:
         return StreamEvents.empty()
-    return StreamEvents.from_lists([f"allreduce:bucket{k}" for k in range(n)], [""] * n,
-                                   ["allreduce"] * n, ["backward"] * n, ["fp32"] * n,
-                                   ["fp32"] * n, [c.source for c in allreduce],
-                                   replay.begin_us, replay.dur_us, prepared.bucket_bytes)
+    return StreamEvents.from_lists(
+        [f"allreduce:bucket{k}" for k in range(n)], [""] * n,
+        ["allreduce" if c.label == "fp32" else "compressed" for c in comm], ["backward"] * n,
+        ["fp32"] * n, [c.label for c in comm], [c.cost.source for c in comm],
+        replay.begin_us, replay.dur_us, bucket_bytes)
 
 
 def _finish_iteration(line: ComputeTimeline, replay: AllreduceReplay, index: int,

@@ -39,3 +39,19 @@ def test_compare_strategies_table(small_case):
     assert table.loc["qsync", "indicator_sum"] < table.loc["uniform-low", "indicator_sum"]
     assert (table.loc["qsync", "throughput_samples_per_s"]
             > table.loc["dynamic-batching", "throughput_samples_per_s"])
+
+
+def test_compare_strategies_adds_a_row_per_compression(small_case):
+    prepared, cluster, costs, scores = small_case
+    table = compare_strategies(prepared, cluster, costs, scores,
+                               strategies={"qsync": STRATEGIES["qsync"]},
+                               compressions=["global_qsgd:8", "cgx:4,error_feedback=true"])
+    assert table.index.tolist() == ["qsync", "qsync+global_qsgd:8",
+                                    "qsync+cgx:4,error_feedback=true"]
+    assert table["compression"].tolist() == ["none", "global_qsgd:8",
+                                             "cgx:4,error_feedback=true"]
+    # cheaper communication never makes the plan slower, and needs no more low precision
+    assert (table.loc["qsync+global_qsgd:8", "iteration_ms"]
+            <= table.loc["qsync", "iteration_ms"] * (1 + 1e-9))
+    assert (table.loc["qsync+global_qsgd:8", "low_precision_ops[T4]"]
+            <= table.loc["qsync", "low_precision_ops[T4]"])

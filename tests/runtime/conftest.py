@@ -29,13 +29,15 @@ def cluster_file(tmp_path: Path, groups: list[str], name: str = "test") -> Path:
 
 
 def write_plan(path: Path, cluster, precisions: dict, model: str = "digits_cnn",
-               task: str = "digits", **model_kwargs) -> Path:
-    """Plan ``precisions`` for ``model(**model_kwargs)`` on ``cluster`` (a name or a TOML path)."""
+               task: str = "digits", compression=None, **model_kwargs) -> Path:
+    """Plan ``precisions`` (and ``compression``) for ``model(**model_kwargs)`` on ``cluster``
+    (a name or a TOML path)."""
     data = load_task(task, model, **model_kwargs)
     torch.manual_seed(0)
     inputs, target = data.example(4)
     graph = trace_graph(data.build_model(), inputs, target=target, loss_fn=data.loss_fn())
-    plan = Plan.build(graph, load_cluster(cluster), precisions, strategy="test")
+    plan = Plan.build(graph, load_cluster(cluster), precisions, strategy="test",
+                      compression=compression)
     plan.for_model(model, model_kwargs).save(path)
     return path
 

@@ -63,6 +63,22 @@ def test_resume_continues_bit_exactly(tmp_path, single_rank_group):
     assert not all(torch.equal(a[k], halfway[k]) for k in a)  # it trained after resuming
 
 
+def test_resume_with_compression_continues_bit_exactly(tmp_path, single_rank_group):
+    # stochastic codes seeded by the call count, and error-feedback residuals
+    plan = _one_rank_plan(tmp_path, compression={
+        "conv2.weight": "cgx:4,error_feedback=true", "_default": "global_qsgd:8"})
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(TrainConfig(str(plan), str(whole), steps=8, checkpoint_every=4))
+    train(TrainConfig(str(plan), str(split), steps=4, checkpoint_every=4))
+    saved = load_checkpoint(split / "checkpoint.pt")["compression"][0]
+    assert saved["calls"] > 0 and set(saved["residuals"]) == {"conv2.weight"}
+    train(TrainConfig(str(plan), str(split), steps=8, checkpoint_every=4, resume=True))
+    records = read_metrics(split / "metrics.jsonl")
+    assert records[-1]["compression"]["cgx"]["elements"] > 0
+    a, b = (torch.load(d / "final.pt")["model"] for d in (whole, split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_rounding_counters_round_trip():
     plan = {"fc1": {"forward": "int8", "rounding": "stochastic"}}
     model, twin = get_model("digits_mlp"), get_model("digits_mlp")

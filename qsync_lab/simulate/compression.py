@@ -1,0 +1,130 @@
+"""What each bucket's gradient communication costs, compressed as the settings say.
+
+A bucket's parameters are grouped by spec as the hook groups them
+(:func:`qsync_lab.compress.hook.bucket_groups`) and the groups run one after the other on
+the sender thread, so a bucket's communication lasts the sum of:
+
+* uncompressed parameters: a ring allreduce of their fp32 bytes;
+* each compressed group (the method's ``wire``): the scale all-reduce (MAX) if the method
+  has one, the encode, the collective of the payload (a ring allreduce of the codes, or a
+  ring all-gather of every rank's payload) and the decode of each payload the rank receives
+  (one for an allreduce, one per rank for an all-gather). Encode (error feedback included)
+  and decode times come from the profile's lines measured through the hook
+  (:meth:`~qsync_lab.costs.CostModel.compression_time_us`, keyed by the spec's
+  ``cost_label``), else from the roofline of the bytes they touch, on the slowest device
+  of the cluster.
+
+Example::
+
+    >>> import torch, torch.nn as nn
+    >>> from qsync_lab.cluster import load_cluster
+    >>> from qsync_lab.costs import CostModel
+    >>> from qsync_lab.graph import trace_graph
+    >>> from qsync_lab.simulate import prepare_graph
+    >>> linear = nn.Linear(2048, 2048, bias=False)
+    >>> prepared = prepare_graph(trace_graph(linear, torch.randn(2, 2048)))
+    >>> cluster = load_cluster("v100-t4-small")
+    >>> plain, = bucket_comm(prepared, cluster, CostModel(), None)
+    >>> compressed, = bucket_comm(prepared, cluster, CostModel(), "global_qsgd:8")
+    >>> round(plain.cost.us), round(compressed.cost.us), compressed.cost.source
+    (1616, 675, 'compress:global_qsgd:8 + alpha-beta:pcie3_x16')
+    >>> round(float(plain.sent_bytes / compressed.sent_bytes), 3), compressed.label
+    (4.0, 'global_qsgd:8')
+"""
+
+from dataclasses import dataclass
+
+from qsync_lab.cluster import Cluster
+from qsync_lab.compress.spec import CompressionSettings
+from qsync_lab.costs import Cost, CostModel, ring_wire_bytes
+from qsync_lab.simulate.prepare import PreparedGraph
+
+__all__ = ["BucketComm", "bucket_comm"]
+
+_FP32_BYTES = 4
+#: error feedback's bytes per element: the residual added (read 8, write 4), this rank's
+#: payload decoded (write 4) and the new residual (read 8, write 4)
+_FEEDBACK_BYTES = 28.0
+
+
+@dataclass(frozen=True)
+class BucketComm:
+    """One bucket's communication: its cost, the bytes each rank sends, and what it sends
+    (``fp32``, or the compression specs of its groups)."""
+
+    cost: Cost
+    sent_bytes: float
+    label: str
+
+
+def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, settings,
+                links=None) -> list[BucketComm]:
+    """Per bucket (in reduction order) its communication (see the module docstring).
+
+    Args:
+        settings: compression settings (a spec, a mapping, or None: plain fp32 allreduce).
+        links: the ring's links (default: :func:`~qsync_lab.simulate.evaluator.ring_links`).
+    """
+    from qsync_lab.compress.hook import bucket_groups, method_module
+    from qsync_lab.simulate.evaluator import ring_links
+
+    world = cluster.world_size
+    if world == 1:
+        return []
+    links = links if links is not None else ring_links(cluster)
+    settings = CompressionSettings.parse(settings)
+    if not settings:
+        return [BucketComm(costs.allreduce_time_us(size, world, links),
+                           ring_wire_bytes(size, world), "fp32")
+                for size in prepared.bucket_bytes]
+    device = min((cluster.catalog.device(kind) for kind in cluster.device_kinds),
+                 key=lambda d: d.memory_bandwidth_Bps)
+    params = prepared.graph.params
+    out = []
+    for _, members in prepared.buckets.groupby("bucket", sort=True):
+        names = list(members["param"])
+        shapes = [_Shape(int(params.at[n, "numel"]), len(params.at[n, "shape"])) for n in names]
+        total_us, sent, sources, labels = 0.0, 0.0, [], []
+        for group in bucket_groups(names, shapes, settings):
+            if group.spec is None:
+                cost = costs.allreduce_time_us(_FP32_BYTES * group.numel, world, links)
+                total_us += cost.us
+                sent += ring_wire_bytes(_FP32_BYTES * group.numel, world)
+                sources.append(cost.source)
+                labels.append("fp32")
+                continue
+            segments = [(0, n) for _, n in group.slices]
+            wire = method_module(group.spec).wire(group.numel, segments, group.spec, world)
+            spec, label = str(group.spec), group.spec.cost_label
+            collective = (costs.allreduce_time_us if wire.collective == "allreduce"
+                          else costs.allgather_time_us)(wire.payload_bytes, world, links)
+            feedback_bytes = _FEEDBACK_BYTES if group.spec.error_feedback else 0.0
+            encode = costs.compression_time_us(label, "encode", group.numel,
+                                               wire.encode_bytes + feedback_bytes, device)
+            decode = costs.compression_time_us(label, "decode", group.numel, wire.decode_bytes,
+                                               device)
+            decodes = world if wire.collective == "allgather" else 1
+            sync_us = (costs.allreduce_time_us(wire.scale_sync_bytes, world, links).us
+                       if wire.scale_sync_bytes else 0.0)
+            total_us += sync_us + encode.us + collective.us + decodes * decode.us
+            sent += (ring_wire_bytes(wire.payload_bytes, world) if wire.collective == "allreduce"
+                     else (world - 1) * wire.payload_bytes)
+            sent += ring_wire_bytes(wire.scale_sync_bytes, world)
+            sources.append(f"compress:{spec} + {collective.source}")
+            labels.append(spec)
+        out.append(BucketComm(Cost(float(total_us), " + ".join(dict.fromkeys(sources))),
+                              float(sent), " + ".join(labels)))
+    return out
+
+
+class _Shape:
+    """What :func:`~qsync_lab.compress.hook.bucket_groups` reads of a parameter."""
+
+    def __init__(self, numel: int, ndim: int) -> None:
+        self._numel, self._ndim = numel, ndim
+
+    def numel(self) -> int:
+        return self._numel
+
+    def dim(self) -> int:
+        return self._ndim
