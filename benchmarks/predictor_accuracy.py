@@ -5,8 +5,10 @@ For each model x plan, on the ``local-cpu`` cluster (2 ranks, gloo, batch 16 per
 1. profile this machine: the runtime's casts and DDP's in-place bucket copies
    (``fp32->fp32``; fitted per pair, R² printed), gloo allreduces on idle ranks (α–β,
    printed) and the link as DDP steps of calibration MLPs see it (α–β,
-   :mod:`qsync_lab.profile.ddp_link`; the one used), and the step overhead, written to
-   ``data/profiles/cpu.csv``;
+   :mod:`qsync_lab.profile.ddp_link`; the one used), the step overhead, and the gradient
+   compressors' encode and decode through the hook
+   (:data:`~qsync_lab.profile.DEFAULT_COMPRESSION_SPECS`, for ``benchmarks/compression.py``
+   and every compressed run), written to ``data/profiles/cpu.csv``;
 2. per model, right before its runs (this VM's speed drifts over minutes): every op in
    fp32, bf16 and int8, timed inside training steps in 2 processes at once as the 2 DDP
    ranks will run, 1 intra-op thread each (:func:`qsync_lab.profile.profile_ops_concurrently`),
@@ -50,12 +52,13 @@ from qsync_lab.costs import link_metadata, write_device_profile
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
-from qsync_lab.profile import (METHODS, copy_pass_us, default_cast_sizes, default_copy_sizes,
-                               default_sizes, fit_alpha_beta, fit_buffer_broadcast, fit_casts,
-                               fit_ddp_link, fit_step_overhead, intra_op_threads,
-                               measure_buffer_broadcast, measure_ddp_overhead,
-                               profile_allreduce, profile_casts, profile_ops_concurrently,
-                               run_metadata, step_overhead_metadata)
+from qsync_lab.profile import (DEFAULT_COMPRESSION_SPECS, METHODS, copy_pass_us,
+                               default_cast_sizes, default_compression_sizes,
+                               default_copy_sizes, default_sizes, fit_alpha_beta,
+                               fit_buffer_broadcast, fit_casts, fit_ddp_link, fit_step_overhead,
+                               intra_op_threads, measure_buffer_broadcast, measure_ddp_overhead,
+                               profile_allreduce, profile_casts, profile_compression,
+                               profile_ops_concurrently, run_metadata, step_overhead_metadata)
 from qsync_lab.policy import PLANNABLE_KINDS
 from qsync_lab.runtime.launch import torchrun_command
 
@@ -105,8 +108,9 @@ def profile_model(name: str, batch_size: int, repeats: int, method: str) -> pd.D
 
 
 def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame, dict, list]:
-    """Profile the casts, DDP's copies, the allreduces and the step overhead and write them
-    to ``path``; return the cast rows, the metadata and report lines."""
+    """Profile the casts, DDP's copies, the allreduces, the step overhead and the gradient
+    compressors and write them to ``path``; return the cast and compression rows, the
+    metadata and report lines."""
     torch.set_num_threads(THREADS)
     casts = pd.concat([profile_casts(CAST_PAIRS, default_cast_sizes(), repeats=repeats),
                        profile_casts([("fp32", "fp32")], default_copy_sizes(), repeats=repeats)])
@@ -120,12 +124,14 @@ def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame
     broadcast = fit_buffer_broadcast(measure_buffer_broadcast(threads=THREADS), link.link)
     with intra_op_threads(THREADS):
         overhead = fit_step_overhead(repeats=repeats, method=method)
+        compression = profile_compression(DEFAULT_COMPRESSION_SPECS, default_compression_sizes(),
+                                          repeats=repeats)
     metadata = {**run_metadata("cpu", threads=THREADS), "profile_method": method,
                 **step_overhead_metadata(overhead),
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
                 **link_metadata(broadcast, r2=float("nan"), world_size=2, backend="gloo")}
-    write_device_profile(path, [casts], metadata)
+    write_device_profile(path, [casts, compression], metadata)
     lines = ["cast fits (time_us = a*numel + b):"]
     lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
               f"R2={fit.r2:.4f}" for pair, fit in cast_fits.items()]
@@ -138,7 +144,13 @@ def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame
                                 ("DDP steps of calibration MLPs, used", link))]
     lines.append(f"DDP buffer broadcast (BatchNorm MLPs, with/without forward_sync_buffers): "
                  f"alpha={broadcast.latency_s * 1e6:.1f} us per hop")
-    return casts, metadata, lines
+    largest = compression[compression["numel"] == compression["numel"].max()]
+    lines.append(f"compression through the hook, ns/elem at {int(largest['numel'].iloc[0]):,} "
+                 "elements (encode / decode of one payload): " + ", ".join(
+                     f"{spec} {1e3 * g.set_index('kind').at['encode', 'time_us'] / n:.2f} / "
+                     f"{1e3 * g.set_index('kind').at['decode', 'time_us'] / n:.2f}"
+                     for (spec, n), g in largest.groupby(["op", "numel"], sort=False)))
+    return pd.concat([casts, compression]), metadata, lines
 
 
 def measure(name: str, kwargs: dict, plan: dict, steps: int, folder: Path,
@@ -186,7 +198,7 @@ def main() -> None:
               f"{batch_size}/rank), torch {torch.__version__}; 1/5/15-min load before: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"]
     if not args.reuse_profile:
-        casts, metadata, lines = profile_machine(args.profile, args.repeats, args.method)
+        machine_rows, metadata, lines = profile_machine(args.profile, args.repeats, args.method)
         report += lines
     runs, model_rows = [], {}
     with tempfile.TemporaryDirectory() as folder:
@@ -209,7 +221,7 @@ def main() -> None:
     if model_rows:  # the machine's rows and every model's rows, by shape only (FQNs such
         # as "conv1" and "fc" collide across models)
         write_device_profile(args.profile, [*(r.assign(op="") for r in model_rows.values()),
-                                            casts], metadata)
+                                            machine_rows], metadata)
         report.insert(1, f"profile: {os.path.relpath(args.profile, ROOT)} and "
                          f"{os.path.relpath(MODEL_PROFILES, ROOT)}/<model>.csv "
                          f"({sum(map(len, model_rows.values()))} op rows, {THREADS} thread, "

@@ -1,0 +1,218 @@
+"""Compressed gradient communication on gloo ranks: a 25 MB bucket end to end, accuracy, and
+the simulator's prediction of compressed runs.
+
+1. **bucket**: on 2 and 4 gloo ranks (1 intra-op thread each, as the runtime runs them), each
+   rank's gradient is one 25 MiB fp32 bucket (a 2560 x 2560 weight, DDP's default bucket cap
+   is 25 MB). Each entry runs the bucket through a DDP comm hook from the call to the
+   completed future (encode + communicate + decode, every rank's copy back included):
+   PyTorch's default ``allreduce_hook`` (the fp32 allreduce), PyTorch's
+   ``fp16_compress_hook``, and each spec through :func:`qsync_lab.compress.compression_hook`.
+   The time is the slowest rank's, median of ``--repeats`` calls after 3 warm-up calls;
+   bytes are what each rank sends per call (ring-equivalent counts: ``2(n-1)/n`` of an
+   allreduced tensor, ``n-1`` times an all-gathered one).
+2. **runs**: per spec (and without compression), ``torchrun ... -m qsync_lab.runtime`` on the
+   ``local-cpu`` cluster (2 gloo ranks, batch 16 each), as ``qsync-lab run`` starts it and
+   with the shipped profile ``data/profiles/cpu.csv`` (the user's path): the digits CNN on
+   the real digits data for ``--digits-steps`` steps (its test accuracy), and ResNet-18 on
+   synthetic data for ``--resnet-steps`` steps (its 44 MB of gradients make communication
+   a large part of the step). Each run's ``summary.json`` gives the measured median step
+   and the simulator's prediction of the same plan; the target is within 10 %.
+
+Run: ``.venv/bin/python benchmarks/compression.py [--repeats 20] [--out FILE]``.
+"""
+
+import os
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # one thread per rank, set before numba loads
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from tqdm.auto import tqdm
+
+from qsync_lab.cluster import load_cluster
+from qsync_lab.compress import CompressionSpec
+from qsync_lab.compress.hook import CompressionState, StandaloneBucket, compression_hook
+from qsync_lab.graph import trace_graph
+from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.plan import Plan
+from qsync_lab.runtime.launch import torchrun_command
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ("fp16", "bf16", "global_qsgd:8", "aps:fp8_e5m2", "cgx:8", "cgx:4",
+         "cgx:4,error_feedback=true", "qsgd:8")
+BUCKET_SHAPE = (2560, 2560)  # 6,553,600 float32 = 25 MiB
+WARMUP = 3
+CLUSTER = "local-cpu"
+RUNS = {"digits_cnn": ({}, "digits"),
+        "resnet18": ({"num_classes": 10, "image_size": 32}, "synthetic")}
+TARGET_PCT = 10.0
+
+
+# ----------------------------------------------------------------------------- 1. bucket
+
+
+def _bucket_rank(rank: int, world: int, port: int, repeats: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.empty(BUCKET_SHAPE))
+    gradient = torch.randn(model.weight.numel(), generator=torch.Generator().manual_seed(rank))
+    buffer = torch.empty_like(gradient)
+    bucket = StandaloneBucket(model.weight, buffer)
+    numel, ring = gradient.numel(), 2 * (world - 1) / world
+    entries = [("fp32 allreduce (torch allreduce_hook)",
+                lambda: default_hooks.allreduce_hook(None, bucket), ring * 4 * numel),
+               ("torch fp16_compress_hook",
+                lambda: default_hooks.fp16_compress_hook(None, bucket), ring * 2 * numel)]
+    states = []
+    for text in SPECS:
+        state = CompressionState(model, text, telemetry=False)
+        states.append(state)
+        entries.append((text, lambda state=state: compression_hook(state, bucket), state))
+    rows = []
+    for name, hook, sent in entries:
+        slowest = []
+        for call in range(WARMUP + repeats):
+            buffer.copy_(gradient)
+            sent_before = sent.comm.sent_bytes if isinstance(sent, CompressionState) else 0.0
+            dist.barrier()
+            begin = time.perf_counter()
+            hook().wait()
+            seconds = torch.tensor([time.perf_counter() - begin])
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            if call >= WARMUP:
+                slowest.append(float(seconds))
+        sent_bytes = (sent.comm.sent_bytes - sent_before if isinstance(sent, CompressionState)
+                      else sent)
+        rows.append({"ranks": world, "method": name,
+                     "median_ms": 1e3 * statistics.median(slowest),
+                     "min_ms": 1e3 * min(slowest), "max_ms": 1e3 * max(slowest),
+                     "sent_MiB": sent_bytes / 2**20})
+    for state in states:
+        state.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(rows)
+
+
+def bucket_table(worlds, repeats: int) -> pd.DataFrame:
+    """Section 1: one row per (ranks, method)."""
+    rows = []
+    for world in worlds:
+        context = mp.get_context("spawn")
+        results = context.Queue()
+        port = 29500 + (os.getpid() + world) % 2000
+        processes = [context.Process(target=_bucket_rank, args=(r, world, port, repeats, results))
+                     for r in range(world)]
+        for process in processes:
+            process.start()
+        rows += results.get(timeout=1800)
+        for process in processes:
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"a bucket rank failed (exit {process.exitcode})")
+    table = pd.DataFrame(rows)
+    fp32 = table.groupby("ranks")["median_ms"].transform("first")  # the first row of each
+    table["x_fp32"] = table["median_ms"] / fp32
+    return table
+
+
+# ----------------------------------------------------------------------------- 2. runs
+
+
+def _graph(name: str, kwargs: dict, batch_size: int):
+    inputs, target = example_batch(name, batch_size, **kwargs)
+    return trace_graph(get_model(name, **kwargs), inputs, target=target,
+                       loss_fn=model_spec(name).loss_fn())
+
+
+def run_case(name: str, spec: str | None, steps: int, folder: Path) -> dict:
+    """One 2-rank run of ``name`` with ``spec``; its summary.json."""
+    kwargs, data = RUNS[name]
+    cluster = load_cluster(CLUSTER)
+    graph = _graph(name, kwargs, cluster.ranks[0].batch_size)
+    plan_path, run_dir = folder / "plan.json", folder / f"{name}-{spec or 'none'}"
+    Plan.build(graph, cluster, {}, strategy="benchmark", compression=spec).for_model(
+        name, kwargs).save(plan_path)
+    subprocess.run(torchrun_command(str(plan_path), 2, runtime_args=[
+        "--data", data, "--steps", str(steps), "--warmup-steps", str(steps // 5),
+        "--checkpoint-every", "0", "--threads", "1", "--run-dir", str(run_dir)]),
+        check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"})
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"model": name, "compression": spec or "none", "steps": steps,
+            "test_accuracy": summary["test_accuracy"],
+            "step_ms": summary["measured_step_ms"], "pred_ms": summary["predicted_step_ms"],
+            "step_err_%": summary["step_error_pct"]}
+
+
+def runs_table(steps: dict[str, int]) -> pd.DataFrame:
+    rows = []
+    cases = [(name, spec) for name in RUNS for spec in (None, *SPECS)]
+    with tempfile.TemporaryDirectory() as folder:
+        for name, spec in tqdm(cases, desc="runs"):
+            rows.append(run_case(name, spec, steps[name], Path(folder)))
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--digits-steps", type=int, default=300)
+    parser.add_argument("--resnet-steps", type=int, default=40)
+    parser.add_argument("--skip-runs", action="store_true", help="only the bucket table")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    if args.repeats < 20:
+        parser.error("--repeats must be at least 20 (medians of fewer calls are noise here)")
+    load = os.getloadavg()
+    report = [f"compressed gradient communication, gloo on {os.cpu_count()} cores, torch "
+              f"{torch.__version__}, 1 intra-op thread per rank; 1/5/15-min load before: "
+              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", "",
+              f"1. one 25 MiB fp32 bucket ({BUCKET_SHAPE[0]} x {BUCKET_SHAPE[1]} weight), hook "
+              f"call to completed future, slowest rank, median of {args.repeats} "
+              f"(min-max beside it); x_fp32 = time / the fp32 allreduce's"]
+    buckets = bucket_table(args.worlds, args.repeats)
+    report.append(buckets.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    two = buckets[buckets["ranks"] == 2].set_index("method")["median_ms"]
+    fp32, fp16 = two.iloc[0], two.loc["torch fp16_compress_hook"]
+    for spec in ("global_qsgd:8", "aps:fp8_e5m2", "cgx:8", "qsgd:8"):
+        if spec in two:
+            verdict = ("MET" if two[spec] <= 0.5 * fp32 and two[spec] < fp16 else "MISSED")
+            report.append(f"target 8-bit {spec} on 2 ranks <= 0.5x fp32 ({0.5 * fp32:.2f} ms) "
+                          f"and < torch fp16 hook ({fp16:.2f} ms): {two[spec]:.2f} ms {verdict}")
+    if not args.skip_runs:
+        runs = runs_table({"digits_cnn": args.digits_steps, "resnet18": args.resnet_steps})
+        worst = runs["step_err_%"].abs().max()
+        report += ["", "2. runs on local-cpu (2 gloo ranks x 1 thread, batch 16 each), "
+                   "torchrun -m qsync_lab.runtime, predictions from the shipped "
+                   "data/profiles/cpu.csv; digits_cnn on the digits data (test accuracy), "
+                   "resnet18 on synthetic data",
+                   runs.to_string(index=False, float_format=lambda v: f"{v:.3f}"),
+                   f"largest |step error|: {worst:.1f} % (target <= {TARGET_PCT:g} %) "
+                   f"{'MET' if worst <= TARGET_PCT else 'MISSED'}"]
+    load = os.getloadavg()
+    report.append(f"1/5/15-min load after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
