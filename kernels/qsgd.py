@@ -52,8 +52,8 @@ def qsgd_encode(x, levels, *, seed=0, norm=None, backend="auto"):
     return QSGDCodes(_quantize(x, None, scale, levels, True, seed, be), float(norm), levels)
 
 
-def qsgd_decode(codes, norm, levels, *, backend="auto"):
-    """QSGD: ``codes · float32(norm) / levels`` as float32.
+def qsgd_decode(codes, norm, levels, *, backend="auto", out=None):
+    """QSGD: ``codes · float32(norm) / levels`` as float32 (into ``out`` when given).
 
     Example::
 
@@ -64,4 +64,4 @@ def qsgd_decode(codes, norm, levels, *, backend="auto"):
     """
     _check_levels(levels)
     scale = torch.tensor(float(ref.qsgd_scale(norm, levels)))
-    return dequantize_int8(codes, scale, backend=backend)
+    return dequantize_int8(codes, scale, backend=backend, out=out)

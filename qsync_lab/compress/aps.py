@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, into
+from qsync_lab.compress.codec import Encoded, Wire, check_finite, float_sum_target, into
 from qsync_lab.kernels import APS_ZERO_EXPONENT, absmax, aps_shift, float_decode, float_quantize
 
 __all__ = ["encode", "reduce", "wire"]
@@ -78,11 +78,13 @@ def _decoded(codes: torch.Tensor, context, spec) -> torch.Tensor:
 
 def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
     """The ranks' codes widened and summed in fp32 (the shifts are shared: scaled once)."""
-    total = None
-    for codes in comm.all_gather(encoded.payload):
-        value = _widened(codes, spec)
-        total = value if total is None else total.add_(value)
-    return into(out, _scaled(total, encoded.context, comm.world))
+    gathered = comm.all_gather(encoded.payload)
+    total = float_sum_target(out, encoded.payload.numel())
+    widened = torch.empty_like(total)  # one buffer for every rank's values
+    for codes in gathered:
+        total.add_(float_decode(codes.view(_DTYPES[spec.format]), out=widened))
+    _scaled(total, encoded.context, comm.world)
+    return total if total is out else into(out, total)
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:

@@ -1,9 +1,10 @@
-"""fp16 and bf16: divide by the world size, cast, allreduce in 16 bits, widen.
+"""fp16 and bf16: cast, divide by the world size, allreduce in 16 bits, widen.
 
-PyTorch's ``fp16_compress_hook`` (and its bf16 twin) as a method: dividing first keeps the
-n-rank sum in range, rounding is to nearest even (biased; error feedback is an option).
-fp16 overflows above 65504 and flushes values below 2**-24 to zero; bf16 keeps fp32's
-range with 8 significant bits.
+PyTorch's ``fp16_compress_hook`` (and its bf16 twin) as a method: dividing before the sum
+keeps the n-rank sum in range, rounding is to nearest even (biased; error feedback is an
+option). fp16 overflows above 65504 (a gradient that large stops the step on every rank
+with :class:`~qsync_lab.compress.codec.NonFiniteGradient`) and flushes values below 2**-24
+to zero; bf16 keeps fp32's range with 8 significant bits.
 
 Example::
 
@@ -30,7 +31,7 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
-    low = (x / comm.world if comm.world > 1 else x).to(_DTYPES[spec.method])
+    low = x.to(_DTYPES[spec.method]).div_(comm.world)  # one new tensor, as PyTorch's hook
     return Encoded(low, None, low.float().mul_(comm.world) if own else None)
 
 

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, into, pack, unpack
+from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, float_sum_target,
+                                     into, pack, unpack)
 from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_encode
 
 __all__ = ["encode", "levels", "reduce", "wire"]
@@ -35,13 +36,16 @@ def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
 
 
 def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
-    total = None
-    for data in comm.all_gather(encoded.payload):
-        norm, codes = unpack(data, (torch.float32, 1), (torch.int8, encoded.context))
+    gathered = [unpack(data, (torch.float32, 1), (torch.int8, encoded.context))
+                for data in comm.all_gather(encoded.payload)]
+    for norm, _ in gathered:
         check_finite(norm, "a qsgd bucket")
-        value = qsgd_decode(codes, float(norm), levels(spec))
-        total = value if total is None else total.add_(value)
-    return into(out, total.div_(comm.world))
+    total = float_sum_target(out, encoded.context)
+    decoded = torch.empty_like(total)  # one buffer for every rank's values
+    for norm, codes in gathered:
+        total.add_(qsgd_decode(codes, float(norm), levels(spec), out=decoded))
+    total.div_(comm.world)
+    return total if total is out else into(out, total)
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
