@@ -48,15 +48,17 @@ import torch
 from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
-from qsync_lab.costs import link_metadata, write_device_profile
+from qsync_lab.costs import link_metadata, load_cost_model, write_device_profile
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.profile import (DEFAULT_COMPRESSION_SPECS, METHODS, copy_pass_us,
                                default_cast_sizes, default_compression_sizes,
                                default_copy_sizes, default_sizes, fit_alpha_beta,
-                               fit_buffer_broadcast, fit_casts, fit_ddp_link, fit_step_overhead,
-                               intra_op_threads, measure_buffer_broadcast, measure_ddp_overhead,
+                               fit_buffer_broadcast, fit_casts, fit_compressed_steps,
+                               fit_ddp_link, fit_step_overhead, intra_op_threads,
+                               measure_buffer_broadcast, measure_compressed_steps,
+                               measure_ddp_overhead,
                                profile_allreduce, profile_casts, profile_compression,
                                profile_ops_concurrently, run_metadata, step_overhead_metadata)
 from qsync_lab.policy import PLANNABLE_KINDS
@@ -131,6 +133,10 @@ def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame
                 **{f"cast_r2.{pair}": f"{fit.r2:.4f}" for pair, fit in cast_fits.items()},
                 **link_metadata(link.link, r2=link.line.r2, world_size=2, backend="gloo"),
                 **link_metadata(broadcast, r2=float("nan"), world_size=2, backend="gloo")}
+    write_device_profile(path, [casts, compression], metadata)  # what the estimate reads
+    calibration = measure_compressed_steps(DEFAULT_COMPRESSION_SPECS, threads=THREADS)
+    in_step = fit_compressed_steps(calibration, load_cost_model(path), load_cluster(CLUSTER))
+    compression = pd.concat([compression, in_step])
     write_device_profile(path, [casts, compression], metadata)
     lines = ["cast fits (time_us = a*numel + b):"]
     lines += [f"  {pair:12s} a={fit.slope * 1e3:8.4f} ns/elem  b={fit.intercept:7.2f} us  "
@@ -150,6 +156,10 @@ def profile_machine(path: Path, repeats: int, method: str) -> tuple[pd.DataFrame
                      f"{spec} {1e3 * g.set_index('kind').at['encode', 'time_us'] / n:.2f} / "
                      f"{1e3 * g.set_index('kind').at['decode', 'time_us'] / n:.2f}"
                      for (spec, n), g in largest.groupby(["op", "numel"], sort=False)))
+    lines.append("compression in DDP steps of calibration MLPs, added beyond the estimate per "
+                 "group call (us, per MLP): " + "; ".join(
+                     f"{spec} " + " ".join(f"{t:+.0f}" for t in g["time_us"])
+                     for spec, g in in_step.groupby("op", sort=False)))
     return pd.concat([casts, compression]), metadata, lines
 
 

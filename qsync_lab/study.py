@@ -111,7 +111,8 @@ class Study:
 
     @functools.cached_property
     def prepared(self):
-        """The graph prepared for simulating many plans (:func:`~qsync_lab.simulate.prepare_graph`)."""
+        """The graph prepared for simulating many plans
+        (:func:`~qsync_lab.simulate.prepare_graph`)."""
         from qsync_lab.simulate import prepare_graph
 
         return prepare_graph(self.graph)
@@ -183,11 +184,14 @@ class Study:
                                   optimizer=self.optimizer, compressions=compressions)
 
     def profile(self, out: "str | os.PathLike[str]", *, repeats: int = 5, threads: int = 1,
-                precisions: Sequence["Precision | str"] | None = None):
+                precisions: Sequence["Precision | str"] | None = None,
+                compression: Sequence[str] = ()):
         """Measure this machine's op costs for the model, as many processes at once as the
-        cluster has local ranks (``threads`` each; :meth:`run` then uses as many), into
-        ``out``; the study's costs then read it before the shipped CPU profile (casts and
-        links). Returns what was written."""
+        cluster has local ranks (``threads`` each; :meth:`run` then uses as many), and the
+        encode and decode of each ``compression`` spec, into ``out``; the study's costs
+        then read it before the shipped CPU profile (casts, links and the default
+        compressors). Returns what was written."""
+        from qsync_lab.compress import CompressionSpec
         from qsync_lab.profile import ProfileJob, profile_machine
         from qsync_lab.resources import data_file
 
@@ -198,6 +202,7 @@ class Study:
                                               self.loss_fn)], out, precisions=names,
                                   threads=threads, repeats=repeats,
                                   processes=self.cluster.world_size, casts=False, links=None,
+                                  compression=[str(CompressionSpec.parse(c)) for c in compression],
                                   progress=self.progress)
         self.profiles = (str(out), str(data_file("profiles", "cpu.csv")))
         self.costs = load_cost_model(*self.profiles)

@@ -45,6 +45,23 @@ class Comm:
         return self._run(tensor, 2 * (self.world - 1) / self.world, dist.all_reduce, tensor,
                          op=dist.ReduceOp.SUM, group=self.group)
 
+    def allreduce_sum_started(self, tensor: torch.Tensor):
+        """Start summing ``tensor`` over the ranks, in place; returns the function that
+        waits for it (the time counted is the time spent waiting)."""
+        self.sent_bytes += (2 * (self.world - 1) / self.world * tensor.numel()
+                            * tensor.element_size())
+        if self.world == 1:
+            return lambda: tensor
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            begin = time.perf_counter()
+            work.wait()
+            self.seconds += time.perf_counter() - begin
+            return tensor
+
+        return wait
+
     def allreduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum of ``tensor`` over the ranks, in place."""
         return self._run(tensor, 2 * (self.world - 1) / self.world, dist.all_reduce, tensor,

@@ -203,30 +203,40 @@ class CompressionState:
             try:
                 if buffer.is_cuda:
                     torch.cuda.set_device(buffer.device)
-                for group in groups:
-                    self._reduce_group(buffer, group)
+                # uncompressed groups are started first and finished last: their allreduce
+                # is in flight while the compressed groups run
+                finishes = [self._reduce_group(buffer, group) for group in groups]
+                for finish in finishes:
+                    finish()
                 future.set_result(buffer)
             except BaseException as err:  # noqa: BLE001 - handed to DDP through the future
                 self._failed = err
                 future.set_exception(err)
 
-    def _reduce_group(self, buffer: torch.Tensor, group: Group) -> None:
+    def _reduce_group(self, buffer: torch.Tensor, group: Group):
+        """Start reducing one group into ``buffer``; returns the function that finishes it."""
         whole = len(group.slices) == 1 or _contiguous(group.slices)
         first, numel = group.slices[0][0], group.numel
         x = (buffer[first:first + numel] if whole
              else torch.cat([buffer[s:s + n] for s, n in group.slices]))
-        comm, spec = self.comm, group.spec
-        if spec is None:
-            begin = comm.seconds
-            comm.allreduce_sum(x.div_(comm.world))
-            self._count(_FP32, numel, 32.0 * numel, 0.0, comm.seconds - begin, 0.0)
+        comm = self.comm
+        if group.spec is None:
+            wait = comm.allreduce_sum_started(x.div_(comm.world))
         else:
             x = self._mean(x, group)
-        if not whole:
-            offset = 0
-            for start, n in group.slices:
-                buffer[start:start + n].copy_(x[offset:offset + n])
-                offset += n
+
+        def finish() -> None:
+            if group.spec is None:
+                begin = comm.seconds
+                wait()
+                self._count(_FP32, numel, 32.0 * numel, 0.0, comm.seconds - begin, 0.0)
+            if not whole:
+                offset = 0
+                for start, n in group.slices:
+                    buffer[start:start + n].copy_(x[offset:offset + n])
+                    offset += n
+
+        return finish
 
     def _mean(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         spec, comm, module = group.spec, self.comm, method_module(group.spec)

@@ -279,7 +279,7 @@ class CostModel:
                             device: DeviceSpec) -> Cost:
         """One gradient compressor's ``step`` ("encode", or "decode" of one rank's payload)
         over ``numel`` elements on ``device``: a fitted line where the profiles measured this
-        spec (its short form, e.g. "global_qsgd:8"), else the roofline of
+        spec (its cost label, e.g. "global_qsgd:8"), else the roofline of
         ``bytes_per_element`` read and written, plus a launch.
 
         Example::
@@ -295,6 +295,21 @@ class CostModel:
         times = roofline.times_us(np.zeros(1), np.array([numel * bytes_per_element]),
                                   [_CAST_KIND], device, [Precision.FP32])
         return Cost(float(times[0]), roofline.source)
+
+    def compression_in_step_us(self, spec: str, numel: float, device: DeviceSpec) -> Cost:
+        """What one compressed group call of ``numel`` elements adds to a real DDP step
+        beyond the composed estimate (the profile's ``in_step`` line for ``spec``, fitted on
+        calibration steps; may be negative), or 0 where nothing was measured.
+
+        Example::
+
+            >>> CostModel().compression_in_step_us("cgx:4", 1e6, load_catalog().device("cpu"))
+            Cost(us=0.0, source='not measured')
+        """
+        fit = self.compress_fits.get((device.name, spec, "in_step"))
+        if fit is None:
+            return Cost(0.0, "not measured")
+        return Cost(float(fit.a_us_per_element * numel + fit.b_us), fit.source)
 
     def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
         """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the

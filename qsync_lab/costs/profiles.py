@@ -6,17 +6,21 @@ first (software versions, date, host), then a CSV with the columns of
 
 ========== ==============================================================================
 device     catalog device name the row was measured on (or emulates)
-op         op FQN in the profiled graph (empty when only the shape key should match)
-kind       op kind (``linear``...), or ``cast`` for a cast row
+op         op FQN in the profiled graph (empty when only the shape key should match); a
+           compression row's spec (its cost label, e.g. ``global_qsgd:8``)
+kind       op kind (``linear``...), ``cast`` for a cast row; a compression row's step:
+           ``encode``, ``decode`` (one rank's payload) or ``in_step`` (what the hook added
+           to real DDP steps beyond the simulator's estimate, per compressed group call;
+           its ``time_us`` may be negative)
 shape_key  :func:`qsync_lab.costs.shape_key` of the op at ``batch_size`` (empty for casts)
 precision  the precision the phase computed in; ``src->dst`` (``fp32->fp16``) for a cast
 plan_precision the precision the plan gives the op, the lookup key: it differs from
            ``precision`` for an int8 op's backward (computed in fp16), which must not be
            taken for an fp16 op's backward (no dequantisation of saved int8 tensors);
            optional on reading (default: ``precision``)
-phase      ``forward``, ``backward_input``, ``backward_weight`` or ``cast``
+phase      ``forward``, ``backward_input``, ``backward_weight``, ``cast`` or ``compress``
 batch_size per-rank batch size of the measurement (0 for casts)
-numel      elements converted (casts; 0 otherwise)
+numel      elements converted or compressed (casts, compression; 0 otherwise)
 flops      FLOPs of the measured work (:func:`qsync_lab.costs.phase_work`)
 bytes      bytes of the measured work (same)
 time_us    median time of one run
@@ -66,6 +70,7 @@ PROFILE_COLUMNS = ("device", "op", "kind", "shape_key", "precision", "plan_preci
 PROFILE_PHASES = ("forward", "backward_input", "backward_weight", "cast", "compress")
 OP_PHASES = PROFILE_PHASES[:3]
 _TEXT = ("device", "op", "kind", "shape_key", "precision", "plan_precision", "phase")
+_SIGNED_KIND = "in_step"
 _META_PREFIX = "#"
 
 
@@ -180,10 +185,12 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
         frame[col] = frame[col].astype(str)
     for col in ("precision", "plan_precision"):
         frame[col] = frame[col].str.strip().str.lower()
+    signed = frame["kind"] == _SIGNED_KIND  # a residual: may be negative
     for col in ("batch_size", "numel", "flops", "bytes", "time_us", "repeats"):
         values = pd.to_numeric(frame[col], errors="coerce")
-        if values.isna().any() or (values < 0).any():
-            row = int(values.index[values.isna() | (values < 0)][0])
+        negative = (values < 0) & ~signed if col == "time_us" else values < 0
+        if values.isna().any() or negative.any():
+            row = int(values.index[values.isna() | negative][0])
             raise QSyncError(f"profile {source} row {row}: {col} must be a number >= 0, "
                              f"got {frame[col].iloc[row]!r}")
         frame[col] = values

@@ -25,8 +25,10 @@ from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit
 from qsync_lab.profile.compression import (DEFAULT_COMPRESSION_SPECS, default_compression_sizes,
                                            profile_compression)
 from qsync_lab.profile.concurrent import median_over_processes, profile_ops_concurrently
-from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
-                                       measure_buffer_broadcast, measure_ddp_overhead)
+from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast,
+                                       fit_compressed_steps, fit_ddp_link,
+                                       measure_buffer_broadcast, measure_compressed_steps,
+                                       measure_ddp_overhead)
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.machine import LINK_METHODS, ProfileJob, ProfileWritten, profile_machine
 from qsync_lab.profile.ops import METHODS, autograd_call_overhead_us, profile_ops
@@ -37,9 +39,10 @@ __all__ = [
     "DEFAULT_COMPRESSION_SPECS", "LINK_METHODS", "METHODS", "AlphaBetaFit", "LineFit",
     "ProfileJob", "ProfileWritten", "autograd_call_overhead_us", "copy_pass_us",
     "default_cast_sizes", "default_compression_sizes", "default_copy_sizes", "default_sizes",
-    "fit_alpha_beta", "fit_buffer_broadcast", "fit_casts", "fit_ddp_link", "fit_line",
-    "fit_step_overhead", "intra_op_threads", "measure_buffer_broadcast",
-    "measure_ddp_overhead", "median_over_processes", "median_time_us", "profile_allreduce",
-    "profile_casts", "profile_compression", "profile_machine", "profile_ops",
-    "profile_ops_concurrently", "run_metadata", "step_overhead_metadata",
+    "fit_alpha_beta", "fit_buffer_broadcast", "fit_casts", "fit_compressed_steps",
+    "fit_ddp_link", "fit_line", "fit_step_overhead", "intra_op_threads",
+    "measure_buffer_broadcast", "measure_compressed_steps", "measure_ddp_overhead",
+    "median_over_processes", "median_time_us", "profile_allreduce", "profile_casts",
+    "profile_compression", "profile_machine", "profile_ops", "profile_ops_concurrently",
+    "run_metadata", "step_overhead_metadata",
 ]

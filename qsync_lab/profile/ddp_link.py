@@ -62,16 +62,19 @@ from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.profile.allreduce import AlphaBetaFit
 from qsync_lab.profile.fit import LineFit
 
-__all__ = ["BROADCAST_MLPS", "DEFAULT_MLPS", "broadcast_link_name", "copy_pass_us",
-           "fit_buffer_broadcast", "fit_ddp_link", "measure_buffer_broadcast",
-           "measure_ddp_overhead"]
+__all__ = ["BROADCAST_MLPS", "COMPRESSION_MLPS", "DEFAULT_MLPS", "broadcast_link_name",
+           "copy_pass_us", "fit_buffer_broadcast", "fit_compressed_steps", "fit_ddp_link",
+           "measure_buffer_broadcast", "measure_compressed_steps", "measure_ddp_overhead"]
 
 #: (width, depth) of the calibration MLPs: Linear+ReLU blocks, batch 16
 DEFAULT_MLPS = ((64, 2), (64, 8), (64, 16), (512, 2), (512, 8), (512, 16))
 #: (width, depth) of the buffer-broadcast calibration MLPs (Linear+BatchNorm1d+ReLU blocks)
 BROADCAST_MLPS = ((64, 2), (64, 8), (512, 4))
+#: (width, depth) of the compressed-step calibration MLPs: 0.5 M to 8.4 M parameters
+COMPRESSION_MLPS = ((512, 4), (512, 16), (1024, 8))
 _BATCH = 16
 _FP32_BYTES = 4
+_COMPRESS_MODE = "compress:"
 
 
 def broadcast_link_name(link: str) -> str:
@@ -205,6 +208,69 @@ def fit_buffer_broadcast(frame: pd.DataFrame, link: LinkSpec, *,
                     f"fit:ddp buffer broadcast, median of {len(frame)} MLPs")
 
 
+def measure_compressed_steps(specs: Sequence[str], mlps: Sequence[tuple[int, int]] =
+                             COMPRESSION_MLPS, *, world_size: int = 2, threads: int = 1,
+                             steps: int = 60, warmup: int = 15) -> pd.DataFrame:
+    """Median step of each calibration MLP under DDP without and with each spec's hook, in
+    ``world_size`` processes (alternating steps of two copies).
+
+    Returns:
+        One row per (spec, MLP): ``spec, width, depth, ddp_ms, compressed_ms``.
+    """
+    _check_run_args(world_size, threads, steps, warmup)
+    rows = []
+    for spec in specs:
+        for width, depth in mlps:
+            plain, compressed = _run(width, depth, world_size, threads, steps, warmup,
+                                     _COMPRESS_MODE + str(spec))
+            rows.append({"spec": str(spec), "width": width, "depth": depth, "ddp_ms": plain,
+                         "compressed_ms": compressed})
+    return pd.DataFrame(rows)
+
+
+def fit_compressed_steps(frame: pd.DataFrame, costs, cluster, *,
+                         device: str = "cpu") -> pd.DataFrame:
+    """What each spec's hook added to the measured steps beyond the simulator's estimate of
+    it (:func:`~qsync_lab.simulate.compression.bucket_comm` with ``costs`` on
+    ``cluster``), as profile rows: ``phase="compress"``, ``kind="in_step"``, ``op`` the
+    spec's cost label, and per compressed group call its elements (``numel``) and the
+    residual (``time_us``, may be negative). The cost model fits them to a line per spec
+    (:meth:`~qsync_lab.costs.CostModel.compression_time_us` with step ``"in_step"``) and the
+    simulator adds it to every compressed group: the hook's thread hand-offs, its
+    encode sharing the cores with the backward, gloo's speed on 8- and 16-bit payloads.
+    """
+    from qsync_lab.compress import CompressionSettings, CompressionSpec
+    from qsync_lab.compress.hook import bucket_groups
+    from qsync_lab.costs import PROFILE_COLUMNS
+    from qsync_lab.simulate import prepare_graph
+    from qsync_lab.simulate.compression import bucket_comm
+
+    rows = []
+    for (width, depth), group in frame.groupby(["width", "depth"], sort=False):
+        prepared = prepare_graph(trace_graph(_mlp(width, depth), torch.randn(_BATCH, width)))
+        plain_us = sum(b.cost.us for b in bucket_comm(prepared, cluster, costs, None))
+        params = dict(_mlp(width, depth).named_parameters())
+        for spec, ddp_ms, compressed_ms in zip(group["spec"], group["ddp_ms"],
+                                               group["compressed_ms"]):
+            settings = CompressionSettings.parse(spec)
+            calls = [g for _, members in prepared.buckets.groupby("bucket", sort=True)
+                     for g in bucket_groups(list(members["param"]),
+                                            [params[n] for n in members["param"]], settings)
+                     if g.spec is not None]
+            if not calls:
+                raise QSyncError(f"calibration MLP {width}x{depth} has nothing {spec} compresses")
+            estimate_us = sum(b.cost.us for b in bucket_comm(prepared, cluster, costs, spec))
+            residual_us = (compressed_ms - ddp_ms) * 1e3 - (estimate_us - plain_us)
+            numel = sum(g.numel for g in calls)
+            rows.append({"device": device, "op": CompressionSpec.parse(spec).cost_label,
+                         "kind": "in_step", "shape_key": f"mlp{width}x{depth}",
+                         "precision": "fp32", "plan_precision": "fp32", "phase": "compress",
+                         "batch_size": _BATCH, "numel": numel / len(calls), "flops": 0.0,
+                         "bytes": 4.0 * numel / len(calls),
+                         "time_us": residual_us / len(calls), "repeats": 0})
+    return pd.DataFrame(rows, columns=list(PROFILE_COLUMNS))
+
+
 def _check_run_args(world_size: int, threads: int, steps: int, warmup: int) -> None:
     if world_size < 2 or threads < 1 or steps < 1 or warmup < 0:
         raise QSyncError("world_size must be >= 2, threads and steps >= 1, warmup >= 0")
@@ -213,7 +279,8 @@ def _check_run_args(world_size: int, threads: int, steps: int, warmup: int) -> N
 def _run(width: int, depth: int, world_size: int, threads: int, steps: int,
          warmup: int, mode: str) -> tuple[float, float]:
     """Median step ms of one calibration MLP, from one set of processes: (plain, DDP) for
-    ``mode="ddp"``, (DDP, DDP broadcasting BatchNorm buffers) for ``"broadcast"``."""
+    ``mode="ddp"``, (DDP, DDP broadcasting BatchNorm buffers) for ``"broadcast"``, (DDP,
+    DDP with the compression hook) for ``"compress:<spec>"``."""
     with tempfile.TemporaryDirectory() as folder:
         store, out = os.path.join(folder, "store"), os.path.join(folder, "ms")
         mp.start_processes(_worker, args=(world_size, store, out, width, depth, threads,
@@ -235,6 +302,12 @@ def _worker(rank: int, world_size: int, store_path: str, out: str, width: int, d
     if mode == "ddp":
         first, second = _mlp(width, depth), _mlp(width, depth)
         nets = (first, DistributedDataParallel(second))
+    elif mode.startswith(_COMPRESS_MODE):
+        from qsync_lab.compress import register_compression
+
+        first, second = _mlp(width, depth), _mlp(width, depth)
+        nets = (DistributedDataParallel(first), DistributedDataParallel(second))
+        register_compression(nets[1], mode[len(_COMPRESS_MODE):])  # as a run registers it
     else:
         first, second = _mlp(width, depth, norm=True), _mlp(width, depth, norm=True)
         nets = (DistributedDataParallel(first, forward_sync_buffers=False),

@@ -11,7 +11,9 @@ need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_devic
 4. ``links`` (optional): gloo allreduces fitted α–β, refitted to what real DDP steps add
    (``"ddp"``), and DDP's buffer broadcast;
 5. ``compression`` (optional): the gradient compressors' encode and decode per spec
-   (:func:`~qsync_lab.profile.compression.profile_compression`).
+   (:func:`~qsync_lab.profile.compression.profile_compression`) and, with the DDP link,
+   what each spec's hook adds to real DDP steps of calibration MLPs beyond that
+   (:func:`~qsync_lab.profile.ddp_link.fit_compressed_steps`).
 
 Example::
 
@@ -35,7 +37,8 @@ import pandas as pd
 from torch import nn
 from tqdm.auto import tqdm
 
-from qsync_lab.costs.profile_links import link_metadata, write_device_profile
+from qsync_lab.cluster import load_cluster
+from qsync_lab.costs.profile_links import link_metadata, load_cost_model, write_device_profile
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
 from qsync_lab.profile.allreduce import default_sizes, fit_alpha_beta, profile_allreduce
@@ -43,8 +46,10 @@ from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit
                                      profile_casts)
 from qsync_lab.profile.compression import default_compression_sizes, profile_compression
 from qsync_lab.profile.concurrent import profile_ops_concurrently
-from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast, fit_ddp_link,
-                                       measure_buffer_broadcast, measure_ddp_overhead)
+from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast,
+                                       fit_compressed_steps, fit_ddp_link,
+                                       measure_buffer_broadcast, measure_compressed_steps,
+                                       measure_ddp_overhead)
 from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
 from qsync_lab.profile.timing import intra_op_threads, run_metadata
@@ -137,6 +142,11 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
         with intra_op_threads(threads):
             compress_rows = profile_compression(compression, default_compression_sizes(),
                                                 repeats=repeats)
+        if links == "ddp":  # the hook inside real DDP steps, against the estimate so far
+            write_device_profile(out, [*frames, cast_rows, compress_rows], metadata)
+            in_step = fit_compressed_steps(measure_compressed_steps(compression, threads=threads),
+                                           load_cost_model(out), load_cluster("local-cpu"))
+            compress_rows = pd.concat([compress_rows, in_step])
         bar.update()
     bar.close()
     write_device_profile(out, [*frames, cast_rows, compress_rows], metadata)

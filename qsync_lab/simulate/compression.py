@@ -12,7 +12,10 @@ the sender thread, so a bucket's communication lasts the sum of:
   and decode times come from the profile's lines measured through the hook
   (:meth:`~qsync_lab.costs.CostModel.compression_time_us`, keyed by the spec's
   ``cost_label``), else from the roofline of the bytes they touch, on the slowest device
-  of the cluster.
+  of the cluster; where the profile calibrated the spec on real DDP steps, what the hook
+  added there beyond this estimate is added too
+  (:meth:`~qsync_lab.costs.CostModel.compression_in_step_us`,
+  :func:`~qsync_lab.profile.ddp_link.fit_compressed_steps`).
 
 Example::
 
@@ -106,7 +109,9 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
             decodes = world if wire.collective == "allgather" else 1
             sync_us = (costs.allreduce_time_us(wire.scale_sync_bytes, world, links).us
                        if wire.scale_sync_bytes else 0.0)
-            total_us += sync_us + encode.us + collective.us + decodes * decode.us
+            in_step = costs.compression_in_step_us(label, group.numel, device)
+            total_us += max(0.0, sync_us + encode.us + collective.us + decodes * decode.us
+                            + in_step.us)
             sent += (ring_wire_bytes(wire.payload_bytes, world) if wire.collective == "allreduce"
                      else (world - 1) * wire.payload_bytes)
             sent += ring_wire_bytes(wire.scale_sync_bytes, world)
