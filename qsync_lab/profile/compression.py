@@ -33,7 +33,7 @@ from qsync_lab.hostmem import keep_freed_memory
 __all__ = ["DEFAULT_COMPRESSION_SPECS", "default_compression_sizes", "profile_compression"]
 
 #: what ``qsync-lab profile --compress`` without specs and the shipped CPU profile time
-DEFAULT_COMPRESSION_SPECS = ("fp16", "bf16", "global_qsgd:8", "aps:fp8_e5m2", "cgx:4",
+DEFAULT_COMPRESSION_SPECS = ("fp16", "bf16", "global_qsgd:8", "aps:fp8_e5m2", "cgx:8", "cgx:4",
                              "cgx:4,error_feedback=true", "qsgd:8")
 
 

@@ -70,8 +70,9 @@ __all__ = ["BROADCAST_MLPS", "COMPRESSION_MLPS", "DEFAULT_MLPS", "broadcast_link
 DEFAULT_MLPS = ((64, 2), (64, 8), (64, 16), (512, 2), (512, 8), (512, 16))
 #: (width, depth) of the buffer-broadcast calibration MLPs (Linear+BatchNorm1d+ReLU blocks)
 BROADCAST_MLPS = ((64, 2), (64, 8), (512, 4))
-#: (width, depth) of the compressed-step calibration MLPs: 0.5 M to 8.4 M parameters
-COMPRESSION_MLPS = ((512, 4), (512, 16), (1024, 8))
+#: (width, depth) of the compressed-step calibration MLPs: 1 M to 17 M parameters (buckets
+#: of 1 MiB, DDP's first, to 25 MB)
+COMPRESSION_MLPS = ((512, 4), (512, 16), (1024, 8), (1024, 16))
 _BATCH = 16
 _FP32_BYTES = 4
 _COMPRESS_MODE = "compress:"
@@ -210,7 +211,7 @@ def fit_buffer_broadcast(frame: pd.DataFrame, link: LinkSpec, *,
 
 def measure_compressed_steps(specs: Sequence[str], mlps: Sequence[tuple[int, int]] =
                              COMPRESSION_MLPS, *, world_size: int = 2, threads: int = 1,
-                             steps: int = 60, warmup: int = 15) -> pd.DataFrame:
+                             steps: int = 80, warmup: int = 15) -> pd.DataFrame:
     """Median step of each calibration MLP under DDP without and with each spec's hook, in
     ``world_size`` processes (alternating steps of two copies).
 

@@ -81,3 +81,63 @@ def test_buffer_broadcast_measurement_runs_real_ddp_steps():
     frame = measure_buffer_broadcast([(16, 1)], steps=3, warmup=1)
     assert frame["buffer_bytes"].tolist() == [2 * 16 * 4 + 8]  # running mean, var, count
     assert (frame["without_ms"] > 0).all() and (frame["with_ms"] > 0).all()
+
+
+def _mlp_frame(added_ms: float):
+    """One calibration row for the 512x4 MLP: the hook added ``added_ms`` beyond DDP."""
+    return pd.DataFrame({"spec": ["global_qsgd:8"], "width": [512], "depth": [4],
+                         "ddp_ms": [10.0], "compressed_ms": [10.0 + added_ms]})
+
+
+def test_compressed_step_residual_is_what_the_estimate_left_out(tmp_path):
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.costs.profiles import read_profile
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.profile import fit_compressed_steps
+    from qsync_lab.profile.ddp_link import _mlp
+    from qsync_lab.simulate import prepare_graph
+    from qsync_lab.simulate.compression import bucket_comm
+
+    cluster, costs = load_cluster("local-cpu"), CostModel()
+    prepared = prepare_graph(trace_graph(_mlp(512, 4), __import__("torch").randn(16, 512)))
+    estimate_ms = (sum(b.cost.us for b in bucket_comm(prepared, cluster, costs, "global_qsgd:8"))
+                   - sum(b.cost.us for b in bucket_comm(prepared, cluster, costs, None))) / 1e3
+    rows = fit_compressed_steps(_mlp_frame(estimate_ms + 5.0), costs, cluster)
+    # one bucket holds the MLP's 4 weights (compressed) and biases (not): one group call
+    assert rows[["op", "kind", "phase", "numel"]].values.tolist() == [
+        ["global_qsgd:8", "in_step", "compress", 4 * 512 * 512]]
+    assert rows["time_us"].iloc[0] == pytest.approx(5000.0)
+    below = fit_compressed_steps(_mlp_frame(estimate_ms - 1.0), costs, cluster)
+    assert below["time_us"].iloc[0] == pytest.approx(-1000.0)  # a residual may be negative
+    # through a profile: the cost model's in-step line, and the simulator adds it
+    path = tmp_path / "cpu.csv"
+    write_device_profile(path, [pd.concat([rows, rows.assign(numel=2 * 4 * 512 * 512)])], {})
+    assert (read_profile(path).frame["time_us"] == 5000.0).all()
+    measured = load_cost_model(path)
+    cpu = cluster.catalog.device("cpu")
+    assert measured.compression_in_step_us("global_qsgd:8", 1e6, cpu).us == pytest.approx(5000)
+    with_line = sum(b.cost.us for b in bucket_comm(prepared, cluster, measured, "global_qsgd:8"))
+    without = sum(b.cost.us for b in bucket_comm(prepared, cluster, costs, "global_qsgd:8"))
+    assert with_line - without == pytest.approx(5000.0)
+
+
+def test_a_negative_time_is_read_only_in_an_in_step_row(tmp_path):
+    from qsync_lab.costs.profiles import read_profile
+
+    row = {"device": "cpu", "op": "fp16", "kind": "in_step", "shape_key": "",
+           "precision": "fp32", "plan_precision": "fp32", "phase": "compress",
+           "batch_size": 16, "numel": 1000, "flops": 0, "bytes": 0, "time_us": -5.0,
+           "repeats": 0}
+    write_device_profile(tmp_path / "ok.csv", [pd.DataFrame([row])], {})
+    assert read_profile(tmp_path / "ok.csv").frame["time_us"].iloc[0] == -5.0
+    write_device_profile(tmp_path / "bad.csv", [pd.DataFrame([{**row, "kind": "encode"}])], {})
+    with pytest.raises(QSyncError, match="time_us must be a number >= 0"):
+        read_profile(tmp_path / "bad.csv")
+
+
+def test_measure_compressed_steps_runs_ddp_with_and_without_the_hook():
+    from qsync_lab.profile import measure_compressed_steps
+
+    frame = measure_compressed_steps(["cgx:4"], [(64, 2)], steps=4, warmup=1)
+    assert frame[["spec", "width", "depth"]].values.tolist() == [["cgx:4", 64, 2]]
+    assert (frame[["ddp_ms", "compressed_ms"]] > 0).all(axis=None)
