@@ -43,6 +43,10 @@ DEFAULT_EFFICIENCY: Mapping[str, tuple[float, float]] = MappingProxyType({
     "conv1d": (0.6, 0.8),
     "conv2d": (0.6, 0.8),
     "conv3d": (0.6, 0.8),
+    "conv_transpose": (0.5, 0.8),
+    "attention": (0.5, 0.8),
+    "contraction": (0.5, 0.8),
+    "recurrent": (0.3, 0.8),
     "other": (1.0, 0.8),
 })
 #: fixed cost per kernel launch (framework dispatch + CUDA launch), µs; an initial value

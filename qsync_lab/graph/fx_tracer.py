@@ -12,13 +12,16 @@ Example::
     [('0', 'linear'), ('1', 'activation')]
 """
 
+import functools
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from qsync_lab.graph.kinds import function_record, is_leaf_module, module_record
+from qsync_lab.graph.flop_count import counted_forward_flops
+from qsync_lab.graph.kinds import COUNTED_KINDS, function_record, is_leaf_module, module_record
 from qsync_lab.graph.records import OpNamer, OpRecord, TensorMeta
 
 
@@ -62,6 +65,8 @@ def trace_fx(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list
             continue
         rec = _record(node, gm, namer, params, producer)
         rec.outputs = outputs
+        if rec.kind in COUNTED_KINDS:
+            rec.counted_fwd_flops = _counted_flops(node, gm)
         producer[node] = rec.name
         records.append(rec)
     return records
@@ -97,6 +102,29 @@ def _record(node: fx.Node, gm: fx.GraphModule, namer: OpNamer,
             rec.inputs.append(metas[0])
             rec.input_ops.append(producer.get(arg))
     return rec
+
+
+def _counted_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
+    """The node's forward FLOPs by torch's counter, on meta tensors of its inputs' shapes."""
+    def value(arg: fx.Node):
+        if arg.op == "get_attr":
+            return functools.reduce(getattr, arg.target.split("."), gm)
+        return _meta_value(arg.meta.get("tensor_meta"))
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    if node.op == "call_module":
+        return counted_forward_flops(None, args, kwargs, module=gm.get_submodule(node.target))
+    call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+    return counted_forward_flops(call, args, kwargs)
+
+
+def _meta_value(meta):
+    """A meta tensor (or a tuple/list of them) shaped as a node's ShapeProp result."""
+    if isinstance(meta, TensorMetadata):
+        return torch.empty(tuple(int(s) for s in meta.shape), dtype=meta.dtype, device="meta")
+    if isinstance(meta, (tuple, list)):
+        return type(meta)(_meta_value(m) for m in meta)
+    return meta
 
 
 def _scope(node: fx.Node) -> str:

@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from qsync_lab.graph.calls import ScopedCalls
-from qsync_lab.graph.kinds import function_record, is_leaf_module, module_record
+from qsync_lab.graph.flop_count import counted_forward_flops
+from qsync_lab.graph.kinds import COUNTED_KINDS, function_record, is_leaf_module, module_record
 from qsync_lab.graph.records import OpRecord, TensorMeta
 
 
@@ -35,21 +36,30 @@ class _Recorder(ScopedCalls):
 
     def on_call(self, name, fn_name, func, args, kwargs):
         out = func(*args, **kwargs)
-        self._add(function_record(name, fn_name), (args, kwargs), out)
+        rec = function_record(name, fn_name)
+        if self._add(rec, (args, kwargs), out) and rec.kind in COUNTED_KINDS:
+            rec.counted_fwd_flops = counted_forward_flops(func, args, kwargs)
         return out
 
     def exit_module(self, fqn: str, module: nn.Module, inputs, output) -> None:
         super().exit_module(fqn, module, inputs, output)
         if is_leaf_module(module) and self.leaf_depth == 0:
             rec = module_record(self.namer.module(fqn), module)
-            self._add(rec, inputs, output, skip_params=True)
+            if self._add(rec, inputs, output, skip_params=True) and rec.kind in COUNTED_KINDS:
+                self.leaf_depth += 1  # the meta call below is no operator of the model
+                try:
+                    rec.counted_fwd_flops = counted_forward_flops(None, inputs, {},
+                                                                  module=module)
+                finally:
+                    self.leaf_depth -= 1
             rec.params = [(f"{fqn}.{n}" if fqn else n, TensorMeta.of(p))
                           for n, p in module.named_parameters()]
 
-    def _add(self, rec: OpRecord, inputs, output, skip_params: bool = False) -> None:
+    def _add(self, rec: OpRecord, inputs, output, skip_params: bool = False) -> bool:
+        """Record ``rec`` if the call returned a tensor (False for shape queries)."""
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         if not outputs:  # shape queries (size(), dim()) are not operators
-            return
+            return False
         for t in tree_flatten(inputs)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -64,6 +74,7 @@ class _Recorder(ScopedCalls):
             self.producer[id(t)] = rec.name
             self.keep_alive.append(t)
         self.records.append(rec)
+        return True
 
 
 def trace_hooks(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[OpRecord]:

@@ -8,6 +8,8 @@ Example::
     >>> import torch.nn as nn
     >>> module_kind(nn.Conv2d(3, 8, 3)), function_kind("softmax"), function_kind("reshape")
     ('conv2d', 'softmax', 'view')
+    >>> module_kind(nn.LSTM(4, 8)), function_kind("scaled_dot_product_attention")
+    ('recurrent', 'attention')
 """
 
 import torch.nn as nn
@@ -21,12 +23,22 @@ VIEW_KINDS = frozenset({"view"})
 #: kinds with weights whose precision a plan can change
 WEIGHTED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "embedding"})
 
+#: kinds whose FLOPs ``torch.utils.flop_counter`` counts at trace time (the shapes alone do
+#: not say them): attention, transposed convolution, recurrent layers, einsum-like
+#: contractions and calls of unknown kind
+COUNTED_KINDS = frozenset({"attention", "conv_transpose", "recurrent", "contraction", "other"})
+
 _MODULE_KINDS: list[tuple[type, str]] = [
     (nn.Linear, "linear"),
     (nn.Conv1d, "conv1d"),
     (nn.Conv2d, "conv2d"),
     (nn.Conv3d, "conv3d"),
     (nn.Embedding, "embedding"),
+    (nn.modules.conv._ConvTransposeNd, "conv_transpose"),
+    (nn.MultiheadAttention, "attention"),
+    (nn.RNNBase, "recurrent"),
+    (nn.RNNCellBase, "recurrent"),
+    (nn.Upsample, "resample"),
     (nn.modules.batchnorm._BatchNorm, "batch_norm"),
     (nn.LayerNorm, "layer_norm"),
     (nn.GroupNorm, "group_norm"),
@@ -42,6 +54,9 @@ _MODULE_KINDS: list[tuple[type, str]] = [
     (nn.Flatten, "view"),
     (nn.Unflatten, "view"),
     (nn.Identity, "view"),
+    (nn.PixelShuffle, "copy"),
+    (nn.PixelUnshuffle, "copy"),
+    (nn.ZeroPad2d, "copy"),
 ]
 
 _ACTIVATIONS = (
@@ -57,6 +72,28 @@ _FUNCTION_KINDS = {
     "matmul": "matmul",
     "mm": "matmul",
     "bmm": "matmul",
+    "scaled_dot_product_attention": "attention",
+    "conv_transpose1d": "conv_transpose",
+    "conv_transpose2d": "conv_transpose",
+    "conv_transpose3d": "conv_transpose",
+    "einsum": "contraction",
+    "baddbmm": "contraction",
+    "addmm": "contraction",
+    "addbmm": "contraction",
+    "addmv": "contraction",
+    "mv": "contraction",
+    "tensordot": "contraction",
+    "bilinear": "contraction",
+    "interpolate": "resample",
+    "upsample": "resample",
+    "grid_sample": "resample",
+    "pad": "copy",
+    "repeat": "copy",
+    "repeat_interleave": "copy",
+    "tile": "copy",
+    "roll": "copy",
+    "flip": "copy",
+    "pixel_shuffle": "copy",
     "embedding": "embedding",
     "batch_norm": "batch_norm",
     "layer_norm": "layer_norm",
@@ -97,7 +134,8 @@ for _name in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like",
               "zeros", "ones", "full", "arange"):
     _FUNCTION_KINDS[_name] = "factory"
 for _name in ("exp", "log", "sqrt", "rsqrt", "pow", "neg", "abs", "clamp", "erf",
-              "masked_fill", "where", "float", "half", "to", "type_as"):
+              "masked_fill", "where", "float", "half", "to", "type_as", "tril", "triu",
+              "normalize", "cumsum", "sin", "cos"):
     _FUNCTION_KINDS[_name] = "elementwise"
 
 
@@ -108,6 +146,8 @@ def module_kind(module: nn.Module) -> str | None:
         return declared
     if isinstance(module, _ACTIVATIONS):
         return "activation"
+    if isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0:
+        return "view"  # an identity: no mask, no copy
     for cls, kind in _MODULE_KINDS:
         if isinstance(module, cls):
             return kind
@@ -119,14 +159,20 @@ def function_kind(fn_name: str) -> str:
     return _FUNCTION_KINDS.get(op_name_of(fn_name), "other")
 
 
+#: ``torch.nn`` modules made of other modules, traced through (their layers are ops)
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Transformer,
+               nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
+               nn.TransformerDecoderLayer)
+
+
 def is_leaf_module(module: nn.Module) -> bool:
     """True for modules traced as one operator: known op modules, modules declaring
-    ``op_kind``, and any other module from ``torch.nn`` (as torch.fx does)."""
+    ``op_kind``, and any other module from ``torch.nn`` (as torch.fx does) but its
+    containers and transformer layers."""
     if module_kind(module) is not None:
         return True
     return type(module).__module__.startswith("torch.nn") and not isinstance(
-        module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    )
+        module, _CONTAINERS)
 
 
 def module_record(name: str, module: nn.Module) -> OpRecord:

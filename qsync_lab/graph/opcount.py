@@ -8,12 +8,21 @@ Conventions (documented once, used by every cost consumer):
   forward and one per output element to the weight gradient.
 * An op whose inputs are all graph inputs (data) computes no input gradient, as autograd
   does not (the first conv of a CNN has ``bwd_input_flops == 0``).
+* The kinds of :data:`~qsync_lab.graph.kinds.COUNTED_KINDS` (attention, transposed
+  convolution, recurrent layers, contractions, unknown calls) take their forward FLOPs
+  from ``torch.utils.flop_counter`` (``OpRecord.counted_fwd_flops``) and, as every GEMM,
+  twice that backward: a weight gradient equal to the forward when the op holds
+  parameters, the rest for input gradients (attention's four backward GEMMs against its
+  two forward ones). They save their inputs, attention its output and log-sum-exp rows (and a
+  multi-head attention module its projected queries, keys and values),
+  and recurrent layers per token and layer-direction the floats of
+  ``RECURRENT_SAVED_FLOATS`` (measured with ``saved_tensors_hooks`` on CPU).
 * Element-wise kinds use nominal FLOPs per element (table ``ELEMENTWISE_FLOPS``); they
   are memory-bound, so the cost model relies on their bytes, not these numbers.
 * ``bytes_read`` counts activation inputs plus parameters, ``bytes_written`` the outputs;
   view ops move nothing.
 * Bytes saved for backward follow what PyTorch autograd keeps: inputs of GEMMs, the
-  output of softmax/ReLU-like activations, a dropout mask (1 byte per element on CUDA,
+  output of softmax, ReLU, sigmoid and tanh (the input of other activations), a dropout mask (1 byte per element on CUDA,
   whose fused kernel keeps a bool mask; the input's dtype on CPU), input + statistics for
   norms, input + int64 indices for max-pooling.
 
@@ -32,6 +41,7 @@ Example::
 
 from dataclasses import dataclass
 
+from qsync_lab.graph.kinds import COUNTED_KINDS
 from qsync_lab.graph.records import OpRecord
 
 #: nominal (forward, backward) FLOPs per output element of element-wise kinds
@@ -48,9 +58,17 @@ ELEMENTWISE_FLOPS = {
     "mul": (1, 1),
     "elementwise": (1, 1),
     "loss": (4, 2),
+    "resample": (1, 1),
 }
 
+#: gates per cell (LSTM 4, GRU 3, RNN 1) -> floats autograd keeps per token and layer-direction,
+#: as (per hidden unit, per input feature); least squares over 1-2 layers, uni- and
+#: bidirectional, hidden 32-64, measured on CPU (torch 2.13), within 7 %
+RECURRENT_SAVED_FLOATS = {4: (16.0, 4.0), 3: (7.0, 0.5), 1: (1.2, 0.5)}
+
 _TRANSCENDENTAL = frozenset({"gelu", "tanh", "sigmoid", "silu", "elu", "mish", "softplus"})
+#: activations whose backward reads their output; the others (GELU, SiLU, ReLU6, ...) their input
+_SAVE_OUTPUT = frozenset({"relu", "sigmoid", "tanh"})
 _GEMM_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"})
 
 
@@ -90,6 +108,8 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     out_bytes = sum(t.nbytes for t in rec.outputs)
     if rec.kind in _GEMM_KINDS:
         return _count_gemm(rec, out_numel)
+    if rec.kind in COUNTED_KINDS:
+        return _count_counted(rec, out_bytes)
     if rec.kind == "embedding":
         return 0, 0, out_numel, (0,), 0
     if rec.kind == "pool":
@@ -107,8 +127,11 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     per_fwd, per_bwd = ELEMENTWISE_FLOPS[kind]
     fwd, bwd = per_fwd * out_numel, per_bwd * out_numel
     bias_grad = out_numel if rec.params else 0  # affine norms: d(weight), d(bias)
-    if kind in ("activation", "transcendental", "softmax"):
+    if kind == "softmax" or (kind in ("activation", "transcendental")
+                             and _short_name(rec.target) in _SAVE_OUTPUT):
         return fwd, bwd, 0, (), out_bytes
+    if kind in ("activation", "transcendental"):
+        return fwd, bwd, 0, (0,) if rec.inputs else (), 0
     if kind in ("batch_norm", "layer_norm", "group_norm", "rms_norm"):
         return fwd, bwd, bias_grad, (0,), _norm_stats_bytes(rec)
     if kind == "dropout":
@@ -122,6 +145,8 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
         return fwd, bwd * tensor_operands, 0, saved, 0
     if kind == "add":
         return fwd, 0, 0, (), 0
+    if kind == "resample":  # backward needs the sizes only
+        return fwd, bwd, 0, (), 0
     return fwd, bwd, 0, (0,) if rec.inputs else (), 0  # other element-wise math
 
 
@@ -144,6 +169,39 @@ def _count_gemm(rec: OpRecord, out_numel: int) -> tuple[int, int, int, tuple[int
     macs = out_numel * reduce_dim
     operands = len(rec.inputs)
     return 2 * macs, 2 * macs * operands, 0, tuple(range(operands)), 0
+
+
+def _count_counted(rec: OpRecord, out_bytes: int) -> tuple[int, int, int, tuple[int, ...], int]:
+    fwd = rec.counted_fwd_flops or 0
+    if fwd == 0:  # nothing torch counts: data movement or unknown math, nothing saved
+        return 0, 0, 0, (), 0
+    weight_grad = fwd if rec.params else 0
+    extra = 0
+    if rec.kind == "attention":
+        out = rec.outputs[0]
+        extra = out.nbytes + 4 * out.numel // max(1, out.shape[-1] if out.shape else 1)
+        if rec.params:  # nn.MultiheadAttention: its projected queries, keys and values too
+            extra += 3 * out.nbytes
+    elif rec.kind == "recurrent":
+        extra = _recurrent_saved_bytes(rec)
+    return fwd, 2 * fwd - weight_grad, weight_grad, tuple(range(len(rec.inputs))), extra
+
+
+def _recurrent_saved_bytes(rec: OpRecord) -> int:
+    """What an RNN/GRU/LSTM keeps per step: ``RECURRENT_SAVED_FLOATS`` per layer-direction."""
+    cells = [m for name, m in rec.params if name.rsplit(".", 1)[-1].startswith("weight_ih")]
+    hidden = [m for name, m in rec.params if name.rsplit(".", 1)[-1].startswith("weight_hh")]
+    if not cells or not hidden or not rec.inputs:
+        return 0
+    x = rec.inputs[0]
+    tokens = x.numel // max(1, cells[0].shape[1])
+    floats = 0.0
+    for w_ih, w_hh in zip(cells, hidden):
+        size = w_hh.shape[1]
+        per_hidden, per_input = RECURRENT_SAVED_FLOATS.get(w_ih.shape[0] // size, (1.0, 1.0))
+        floats += per_hidden * size + per_input * w_ih.shape[1]
+    itemsize = x.dtype.itemsize if x.dtype.is_floating_point else 4
+    return int(tokens * floats * itemsize)
 
 
 def _norm_stats_bytes(rec: OpRecord) -> int:

@@ -74,6 +74,9 @@ class OpRecord:
         params: ``(parameter FQN, meta)`` for each parameter the op reads.
         plan_refusal: why a plan cannot set this call's precision ("" when it can;
             :mod:`qsync_lab.policy.kinds`).
+        counted_fwd_flops: forward FLOPs ``torch.utils.flop_counter`` counted for the call
+            (:mod:`qsync_lab.graph.flop_count`), for the kinds counted so (None otherwise,
+            or when the call has no meta kernel).
     """
 
     name: str
@@ -84,6 +87,7 @@ class OpRecord:
     outputs: list[TensorMeta] = field(default_factory=list)
     params: list[tuple[str, TensorMeta]] = field(default_factory=list)
     plan_refusal: str = ""
+    counted_fwd_flops: int | None = None
 
 
 class OpNamer:
