@@ -169,6 +169,10 @@ class _AdditiveEvaluator:
         plan = {**self.plan, **changes}
         return _Proposal(plan, self.instance.time_us(plan), self.instance.memory_bytes(plan))
 
+    @property
+    def iteration_us(self) -> float:
+        return self.instance.time_us(self.plan)
+
     def accept(self, proposal: _Proposal) -> None:
         self.plan = dict(proposal.plan)
 

@@ -160,9 +160,11 @@ def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs:
         target_us = max(target_us, evaluator.iteration_us)
     elif evaluator.iteration_us > target_us * (1 + TIME_RTOL):
         raise QSyncError(
-            f"no plan reaches the throughput target: the fastest plan that fits memory "
-            f"gives {cluster.global_batch_size * _US_PER_S / evaluator.iteration_us:.1f} "
-            f"samples/s, the target is {cluster.global_batch_size * _US_PER_S / target_us:.1f}; "
+            f"no plan reaches the throughput target: best reachable "
+            f"{evaluator.iteration_us / 1e3:.3f} ms per iteration "
+            f"({cluster.global_batch_size * _US_PER_S / evaluator.iteration_us:.1f} samples/s), "
+            f"target {target_us / 1e3:.3f} ms "
+            f"({cluster.global_batch_size * _US_PER_S / target_us:.1f} samples/s); "
             "lower the throughput constraint or raise the memory budget")
     stats = recover_plans(evaluator, choices, chains, plans, target_us=target_us,
                           budgets_bytes=budgets)

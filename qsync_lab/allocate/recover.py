@@ -18,6 +18,9 @@ by the evaluator (a trial is a proposal: a rejected one leaves nothing behind).
    on the neighbours' precisions), so a popped move is re-keyed with the current
    neighbours and pushed back if it dropped below the next one (lazy re-keying). An
    accepted op offers its next move; a rejected one is dropped, as in QSync.
+3. :func:`~qsync_lab.allocate.prune.prune_plans`: a kind whose all-fp32 plan is no slower
+   gets it back, and so does every op whose low precision buys neither time nor memory:
+   a plan is never predicted slower than fp32 or than the plan without one of its ops.
 
 Both work on any evaluator with ``propose(kind, {op: precision})`` returning an object
 with ``iteration_us`` and ``tensor_peak_bytes``, and ``accept(proposal)``: the
@@ -44,6 +47,7 @@ import numpy as np
 from qsync_lab.allocate.chain import ChainCosts
 from qsync_lab.allocate.choices import OpChoices
 from qsync_lab.allocate.frontier import risk_frontier
+from qsync_lab.allocate.prune import prune_plans
 from qsync_lab.precision import Precision
 
 __all__ = ["RecoveryStats", "frontier_start", "greedy_recover", "recover_instance",
@@ -58,12 +62,13 @@ MoveUs = Callable[[str, int, Sequence[Precision], Precision], float]
 @dataclass(frozen=True)
 class RecoveryStats:
     """How the recovery went: frontier plans evaluated, greedy moves evaluated, accepted
-    and re-keyed."""
+    and re-keyed, and ops given back fp32 because their low precision bought nothing."""
 
     probes: int
     trials: int
     accepted: int
     rekeyed: int
+    pruned: int = 0
 
 
 def recover_plans(evaluator, choices: Mapping[str, OpChoices],
@@ -103,7 +108,8 @@ def recover_plans(evaluator, choices: Mapping[str, OpChoices],
     for kind in choices:
         plans[kind][:] = runs[best][kind]
     trials, accepted, rekeyed = map(sum, zip(*counts))
-    return RecoveryStats(probes, trials, accepted, rekeyed)
+    pruned = prune_plans(evaluator, choices, plans, budgets_bytes)
+    return RecoveryStats(probes, trials, accepted, rekeyed, pruned)
 
 
 def frontier_start(evaluator, kind: str, choices: OpChoices, chain: ChainCosts,
