@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.kernels import float_encode, float_round
+from qsync_lab.kernels import float_decode, float_encode, float_round
 from qsync_lab.kernels import floatfmt, reference, rng
 
 FORMATS = {
@@ -182,3 +182,38 @@ def test_bad_formats_raise_one_line(fmt):
 def test_encode_rejects_generic_format():
     with pytest.raises(QSyncError, match="unknown float format"):
         float_encode(torch.zeros(2), (4, 3))
+
+
+# ----------------------------------------------------------------------------- every code
+
+
+def _every_code(dtype):
+    """Every bit pattern of a 16- or 8-bit float dtype, NaN payloads included."""
+    if dtype.itemsize == 2:
+        return torch.from_numpy(np.arange(2**16, dtype=np.uint16).view(np.int16)).view(dtype)
+    return torch.arange(256, dtype=torch.uint8).view(dtype)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_code_decodes_and_reencodes_bit_exact_with_torch(name, backend):
+    """All 65,536 fp16/bf16 and 256 fp8 patterns: our decode gives torch's float32 bits
+    (NaN payloads too), and our encode of those gives torch's cast of them back."""
+    values = _every_code(FORMATS[name])
+    widened = values.float()
+    decoded = float_decode(values, backend=backend)
+    assert torch.equal(decoded.view(torch.int32), widened.view(torch.int32))
+    encoded = float_encode(widened, name, backend=backend)
+    assert torch.equal(_codes(encoded), _codes(widened.to(FORMATS[name])))
+    finite = torch.isfinite(widened)  # every finite code is its own rounding
+    rounded = float_round(widened, name, backend=backend)
+    assert torch.equal(rounded[finite].view(torch.int32), widened[finite].view(torch.int32))
+
+
+@pytest.mark.parametrize("src", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_16_bit_code_casts_to_each_format_as_torch_does(src, name):
+    """From fp16/bf16 tensors directly; NaN codes as torch's float32 cast writes them."""
+    values = _every_code(FORMATS[src])
+    got = float_encode(values, name, backend="cpu")
+    assert torch.equal(_codes(got), _codes(values.float().to(FORMATS[name])))
