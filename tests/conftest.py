@@ -4,13 +4,17 @@
   (``--gpu``). The variable must be set before numba is first imported; the README's
   test command sets it, and this file sets it too for a bare ``pytest``.
 * Tests marked ``gpu`` need a real CUDA device and run only with ``--gpu``.
+* The cache of measured model profiles (``QSYNC_LAB_CACHE``) is a fresh folder per
+  session, so no test reads what an earlier run measured (spawned ranks inherit it).
 """
 
 import os
 import sys
+import tempfile
 
 import pytest
 
+os.environ.setdefault("QSYNC_LAB_CACHE", tempfile.mkdtemp(prefix="qsync_lab_cache_"))
 if "--gpu" not in sys.argv:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     if "numba" in sys.modules:  # imported early by a plugin: make it see the variable

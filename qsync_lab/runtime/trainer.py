@@ -138,6 +138,29 @@ class _Run:
         return load_task(self.config.data or default_task(model), model,
                          seed=self.config.seed, **kwargs)
 
+    def _profile_model(self) -> str | None:
+        """A user model's ops timed by every rank (cached; :mod:`qsync_lab.profile.model_cache`)
+        for the prediction, unless profiles were given or the ranks run on CUDA (whose
+        in-step times the host clock cannot read)."""
+        if self.task.model_name or self.config.profiles or self.cuda:
+            return None
+        from qsync_lab.profile.model_cache import ranks_profile_model
+
+        torch.manual_seed(self.config.seed)
+        model = self.task.build_model()
+        inputs, target = self.task.example(self.batch_sizes[self.rank])
+        precisions = {"fp32", *(str(config.forward) for ops in self.plan.precisions.values()
+                                for config in ops.values())}
+        try:
+            return str(ranks_profile_model(
+                model, tuple(inputs), target, self.task.loss_fn(),
+                fingerprint=self.plan.model_fingerprint, batch_sizes=self.batch_sizes,
+                precisions=sorted(precisions)))
+        except QSyncError as err:
+            if self.rank == 0:
+                print(f"qsync_lab: {err}", file=sys.stderr)
+            return None
+
     def _build(self):
         torch.manual_seed(self.config.seed)
         model = self.task.build_model()
@@ -210,6 +233,7 @@ class _Run:
             for stale in self.run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a writer killed mid-write
                 stale.unlink(missing_ok=True)
         self._write_rank_file()
+        self.model_profile = self._profile_model()
         memory = MemoryWindow(self.cuda)  # model build + the first MEMORY_STEPS steps
         step_times: list[float] = []
         log = None
@@ -290,6 +314,8 @@ class _Run:
         accuracy, test_loss = self._evaluate()
         profiles = self.config.profiles or ((str(data_file("profiles", "cpu.csv")),)
                                             if not self.cuda else ())
+        if self.model_profile:  # read first: its op rows win
+            profiles = (self.model_profile, *profiles)
         predicted = predict_plan(self.plan, self.graph, load_cost_model(*profiles),
                                  optimizer=self.optimizer_name)
         measured_ms = max(r["median_step_ms"] for r in ranks)

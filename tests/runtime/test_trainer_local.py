@@ -113,6 +113,42 @@ def test_a_user_task_plugs_in(tmp_path, single_rank_group):
     assert summary["model"] == "user" and summary["test_accuracy"] > 0.9
 
 
+def test_a_user_model_is_profiled_once_and_predicted_from_its_profile(
+        tmp_path, single_rank_group, monkeypatch):
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.costs import load_cost_model, read_profile
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+    from qsync_lab.resources import data_file
+    from qsync_lab.runtime.prediction import predict_plan
+
+    monkeypatch.setenv("QSYNC_LAB_CACHE", str(tmp_path / "cache"))
+    x = torch.randn(128, 24, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(),
+                                   torch.nn.Linear(40, 2))
+
+    task = Task("sign", "", build, (x[:96],), y[:96], (x[96:],), y[96:])
+    cluster = cluster_file(tmp_path, ['{ kind = "cpu", count = 1, batch_size = 16 }'])
+    graph = trace_graph(build(), (x[:16],), target=y[:16], loss_fn=task.loss_fn())
+    plan = Plan.build(graph, load_cluster(cluster), {"cpu": {"0": "bf16"}})
+    plan.save(tmp_path / "p.json")
+    summary = train(TrainConfig(str(tmp_path / "p.json"), str(tmp_path / "run"), steps=8),
+                    task=task)
+    (cached,) = (tmp_path / "cache" / "profiles").glob("*.csv")
+    rows = read_profile(cached).frame
+    assert set(rows["op"]) >= {"0", "1", "2"} and set(rows["batch_size"]) == {16}
+    assert set(rows["plan_precision"]) == {"fp32", "bf16"}
+    costs = load_cost_model(cached, data_file("profiles", "cpu.csv"))
+    predicted = predict_plan(plan, graph, costs, optimizer=summary["optimizer"])
+    assert summary["predicted_step_ms"] == pytest.approx(predicted.iteration_us / 1e3)
+    written = cached.stat().st_mtime_ns
+    train(TrainConfig(str(tmp_path / "p.json"), str(tmp_path / "run2"), steps=2), task=task)
+    assert cached.stat().st_mtime_ns == written  # read back, not measured again
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model": "digits_mlp"}, "another model"),
     ({"data": "imagenet"}, "unknown task 'imagenet'"),
