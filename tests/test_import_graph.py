@@ -75,7 +75,8 @@ def test_the_layers_point_one_way():
                                   "study", "cli"}, (unit, edges[unit])
     for unit in ("quant", "compress"):  # the operators read the policy, never the planner
         assert not edges[unit] & {"allocate", "simulate", "indicator", "runtime", "study"}
-    assert "runtime" not in edges["profile"] and "profile" not in edges["runtime"]
+    # the runner may time a model before training it; profiling never starts a run
+    assert "runtime" not in edges["profile"]
 
 
 def test_the_cycle_check_finds_a_cycle():
