@@ -15,7 +15,9 @@ Example::
 """
 
 import hashlib
+import keyword
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pandas as pd
@@ -119,7 +121,8 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
 
     Args:
         model: the module to trace; its parameters and buffers are left unchanged.
-        example_inputs: a tensor or a tuple of tensors passed to ``model``.
+        example_inputs: a tensor or a tuple of tensors passed to ``model``, or a dict of
+            tensors passed as ``model(**example_inputs)``.
         target: with ``loss_fn``, traces ``loss_fn(model(*inputs), target)`` so the graph
             ends in a ``loss`` op.
         loss_fn: a loss module (e.g. ``nn.CrossEntropyLoss()``).
@@ -139,16 +142,16 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
                          "pass the model object itself")
     if method not in ("auto", "fx", "hooks"):
         raise QSyncError(f"unknown tracing method {method!r}; choose auto, fx or hooks")
-    inputs = _as_input_tuple(example_inputs)
+    inputs, keywords = _as_inputs(example_inputs)
     if (target is None) != (loss_fn is None):
         raise QSyncError("give both target and loss_fn to trace the loss, or neither")
     root = model
-    if loss_fn is not None:
-        root = _with_loss(model, loss_fn, len(inputs))
-        inputs = (*inputs, target)
+    if loss_fn is not None or keywords:
+        root = _with_loss(model, loss_fn, len(inputs), keywords=keywords)
+        inputs = (*inputs, target) if loss_fn is not None else inputs
     with preserved_state(model), torch.no_grad():
         records, traced_with = _trace(root, inputs, method)
-    if loss_fn is not None:
+    if root is not model:
         records = [_strip_wrapper(rec, model) for rec in records]
     return _build(records, model, traced_with)
 
@@ -169,20 +172,29 @@ def _trace(root: nn.Module, inputs: tuple, method: str) -> tuple[list[OpRecord],
 
 
 class _WithLoss(nn.Module):
-    """``loss_fn(model(*inputs), target)`` as one module, so the loss is traced too."""
+    """``loss_fn(model(*inputs), target)`` as one module, so the loss is traced too (or
+    ``model(**inputs)`` alone, for a model called with keywords)."""
 
-    def __init__(self, model: nn.Module, loss_fn: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss_fn: nn.Module | None) -> None:
         super().__init__()
         setattr(self, _MODEL_ATTR, model)
-        setattr(self, _LOSS_ATTR, loss_fn)
+        if loss_fn is not None:
+            setattr(self, _LOSS_ATTR, loss_fn)
 
 
-def _with_loss(model: nn.Module, loss_fn: nn.Module, num_inputs: int) -> nn.Module:
-    """A ``_WithLoss`` whose forward takes exactly ``num_inputs`` inputs and the target
-    (torch.fx needs named positional arguments; it cannot unpack ``*args``)."""
-    names = ", ".join(f"x{i}" for i in range(num_inputs))
-    source = (f"def forward(self, {names}, target):\n"
-              f"    return self.{_LOSS_ATTR}(self.{_MODEL_ATTR}({names}), target)\n")
+def _with_loss(model: nn.Module, loss_fn: nn.Module | None, num_inputs: int, *,
+               keywords: tuple[str, ...] = ()) -> nn.Module:
+    """A ``_WithLoss`` whose forward takes exactly ``num_inputs`` inputs (and the target,
+    with a loss) and passes them on positionally, or by the names in ``keywords`` (torch.fx
+    needs named positional arguments; it cannot unpack ``*args``)."""
+    names = [f"x{i}" for i in range(num_inputs)]
+    passed = ", ".join(f"{k}={n}" for k, n in zip(keywords, names)) if keywords else \
+        ", ".join(names)
+    call = f"self.{_MODEL_ATTR}({passed})"
+    if loss_fn is not None:
+        names.append("target")
+        call = f"self.{_LOSS_ATTR}({call}, target)"
+    source = f"def forward(self, {', '.join(names)}):\n    return {call}\n"
     namespace: dict = {}
     exec(source, namespace)  # noqa: S102 - fixed template, no user text
     cls = type("_WithLoss", (_WithLoss,), {"forward": namespace["forward"]})
@@ -307,12 +319,22 @@ def _param_table(model: nn.Module, records: list[OpRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns).set_index("param")
 
 
-def _as_input_tuple(example_inputs) -> tuple[torch.Tensor, ...]:
+def _as_inputs(example_inputs) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...]]:
+    """The input tensors, and their keywords when the model is called as ``model(**batch)``."""
+    keywords: tuple[str, ...] = ()
+    if isinstance(example_inputs, Mapping):
+        keywords = tuple(example_inputs)
+        bad = [k for k in keywords if not (isinstance(k, str) and k.isidentifier()
+                                           and not keyword.iskeyword(k))]
+        if bad:
+            raise QSyncError(f"example input name {bad[0]!r} is not a Python identifier; the "
+                             "keys of a dict batch are the names of the forward's arguments")
+        example_inputs = tuple(example_inputs.values())
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise QSyncError("example_inputs must be a tensor or a non-empty tuple of tensors, "
-                         f"got {type(example_inputs).__name__}")
-    return tuple(inputs)
+        raise QSyncError("example_inputs must be a tensor, a non-empty tuple of tensors or a "
+                         f"dict of tensors (model(**batch)), got {type(example_inputs).__name__}")
+    return tuple(inputs), keywords
 
 
 def _one_line(err: BaseException) -> str:

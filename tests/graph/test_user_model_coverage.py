@@ -160,3 +160,38 @@ def test_a_call_without_a_meta_kernel_is_uncounted_not_an_error():
 
     assert counted_forward_flops(data_dependent, (torch.randn(3, 1),), {}) is None
     assert counted_forward_flops(F.linear, (torch.randn(3, 4), torch.randn(5, 4)), {}) == 120
+
+
+class _BatchModel(nn.Module):
+    """Called as ``model(**batch)`` and returning a dict, as Hugging Face-style models are."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        x = self.embed(input_ids) * attention_mask.unsqueeze(-1)
+        return {"logits": self.head(x.mean(dim=1)), "hidden": x}
+
+
+class _LogitsLoss(nn.Module):
+    def forward(self, out, target):
+        return F.cross_entropy(out["logits"], target)
+
+
+@pytest.mark.parametrize("method", ["fx", "hooks"])
+def test_a_model_called_with_a_dict_batch_and_returning_a_dict_traces(method):
+    batch = {"attention_mask": torch.ones(4, 7), "input_ids": torch.randint(0, 50, (4, 7))}
+    g = trace_graph(_BatchModel(), batch, target=torch.tensor([0, 1, 2, 0]),
+                    loss_fn=_LogitsLoss(), method=method)
+    assert {"embed", "head"} <= set(g.ops.index) and g.ops["kind"].iloc[-1] == "loss"
+    assert g.ops.loc["embed", "input_shapes"] == ((4, 7),)  # input_ids, whatever the dict order
+    assert g.ops.loc["head", "fwd_flops"] == 2 * 4 * 16 * 3 + 4 * 3
+    assert g.totals()["param_count"] == 50 * 16 + 16 * 3 + 3
+
+
+def test_a_dict_batch_key_must_be_an_argument_name():
+    from qsync_lab.errors import QSyncError
+
+    with pytest.raises(QSyncError, match="'input ids' is not a Python identifier"):
+        trace_graph(_BatchModel(), {"input ids": torch.zeros(1, 2, dtype=torch.long)})
