@@ -3,8 +3,9 @@
 Each model of :mod:`qsync_lab.models.families` trains on the ``local-cpu`` cluster (2 gloo
 ranks, batch 16 each, 1 thread) as a user's script would: ``torchrun
 benchmarks/train_family.py``, i.e. ``qsync_lab.runtime.train(config, task=Task(...))``
-with no profile given, so the ranks first time the model's ops on this machine (cached in
-a fresh ``QSYNC_LAB_CACHE``) and the prediction in ``summary.json`` uses them. Plans:
+with no profile given, so the model's ops are first timed on this machine, in as many
+processes at once as there are ranks (cached in a fresh ``QSYNC_LAB_CACHE``), and the
+prediction in ``summary.json`` uses them. Plans:
 ``fp32`` and ``bf16`` (every plannable op). Beside each run, the prediction from the
 shipped profile alone (the roofline for the model's ops: what a user model got before).
 
@@ -104,7 +105,7 @@ def main() -> None:
         f"user-model predictions on {CLUSTER} (2 gloo ranks x {THREADS} thread, batch {batch} "
         f"each, {args.steps} steps, the first fifth warm-up); 1/5/15-min load before: "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
-        "pred: from the ops the ranks timed before training (cached) + the shipped profile; "
+        "pred: from the ops timed before training (cached) + the shipped profile; "
         "shipped_only: from the shipped profile alone (the roofline for these ops)", "",
         table.to_string(index=False, float_format=lambda v: f"{v:.2f}"), "",
         f"median |step error| {median:.1f} % (target <= {MEDIAN_TARGET_PCT:g} %), "

@@ -2,11 +2,13 @@
 
 The shipped profile (``data/profiles/cpu.csv``) times the zoo's ops; any other model would
 be costed by the roofline, and its predicted step would be a guess. Before such a model
-trains, every rank times its ops inside training steps (:func:`profile_ops`, method
-``in_step``) at its own batch size, all ranks at once as they will train (sharing the
-cores and the memory bandwidth); rank 0 keeps the median over the ranks of each batch size
-and writes the rows to the cache. A later run of the same model (fingerprint), batch
-sizes, precisions, intra-op threads and software reads them back.
+trains, rank 0 times its ops inside training steps
+(:func:`~qsync_lab.profile.profile_ops_concurrently`, method ``in_step``) in as many
+spawned processes at once as the run has ranks (sharing the cores and the memory
+bandwidth as the ranks will), per distinct batch size, while the ranks wait; the
+processes keep the ranks themselves clean of the profiling's state. Rank 0 writes the
+median rows to the cache. A later run of the same model (fingerprint), batch sizes,
+precisions, intra-op threads and software reads them back.
 
 The cache lives in ``$QSYNC_LAB_CACHE`` (default ``~/.cache/qsync_lab``), under
 ``profiles/``.
@@ -21,23 +23,23 @@ Example::
 import hashlib
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 from qsync_lab.costs import write_profile
 from qsync_lab.errors import QSyncError
-from qsync_lab.profile.concurrent import median_over_processes
-from qsync_lab.profile.ops import profile_ops
+from qsync_lab.profile.concurrent import profile_ops_concurrently
 from qsync_lab.profile.timing import run_metadata
 
 __all__ = ["cache_dir", "profile_key", "ranks_profile_model"]
 
-#: training steps timed per precision (the first WARMUP untimed)
+#: training steps timed per precision, after WARMUP untimed ones
 REPEATS, WARMUP = 6, 2
 
 
@@ -56,47 +58,47 @@ def profile_key(fingerprint: str, batch_sizes: Sequence[int], precisions: Sequen
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def ranks_profile_model(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
+def ranks_profile_model(model: nn.Module, batches: Mapping[int, tuple[tuple, torch.Tensor]],
                         loss_fn: nn.Module, *, fingerprint: str, batch_sizes: Sequence[int],
-                        precisions: Sequence[str], progress: bool = True) -> Path:
+                        precisions: Sequence[str]) -> Path:
     """Call on every rank of the default process group: the path of the model's cached
-    profile, measured first if missing (module docstring). ``example_inputs`` and
-    ``target`` are this rank's batch (``batch_sizes[rank]``).
+    profile, measured first if missing (module docstring). ``batches``: per distinct batch
+    size of ``batch_sizes``, an ``(inputs, target)`` batch (read on rank 0 only).
 
     Raises:
-        QSyncError: the model cannot be profiled (torch.fx cannot trace it), on every rank.
+        QSyncError: the model cannot be profiled (torch.fx cannot trace it, or it does not
+            pickle into the profiling processes), on every rank.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     threads = torch.get_num_threads()
     path = cache_dir() / "profiles" / (
         profile_key(fingerprint, batch_sizes, precisions, threads=threads) + ".csv")
-    found = [path.exists()]
-    dist.broadcast_object_list(found, src=0)
-    if found[0]:
-        return path
-    try:
-        rows, error = profile_ops(model, example_inputs, target, loss_fn, precisions,
-                                  repeats=REPEATS, warmup=WARMUP,
-                                  progress=progress and rank == 0), ""
-    except Exception as err:  # fx cannot trace it, or an op fails: every rank must know
-        rows, error = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (rows, error))
-    errors = [e for _, e in gathered if e]
-    if errors:
-        raise QSyncError(f"cannot profile the model's ops ({errors[0]}); its predicted step "
+    status = [None]
+    if dist.get_rank() == 0:
+        status = [_measure(path, model, batches, loss_fn, len(batch_sizes), threads,
+                           precisions, {"model_fingerprint": fingerprint,
+                                        "batch_sizes": ",".join(map(str, batch_sizes))})]
+    dist.broadcast_object_list(status, src=0)  # the other ranks wait here
+    if status[0]:
+        raise QSyncError(f"cannot profile the model's ops ({status[0]}); its predicted step "
                          "falls back to the roofline")
-    if rank == 0:
-        by_batch: dict[int, list[pd.DataFrame]] = {}
-        for frame, _ in gathered:
-            if frame.empty:
-                continue
-            by_batch.setdefault(int(frame["batch_size"].iloc[0]), []).append(frame)
-        medians = [median_over_processes(frames) for frames in by_batch.values()]
-        rows = pd.concat(medians, ignore_index=True) if medians else gathered[0][0]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_profile(path, rows, {**run_metadata("cpu", threads=threads),
-                                   "model_fingerprint": fingerprint,
-                                   "batch_sizes": ",".join(map(str, batch_sizes))})
-    dist.barrier()
     return path
+
+
+def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
+             precisions: Sequence[str], metadata: Mapping[str, str]) -> str:
+    """Write the profile at ``path`` unless it exists; "" or what went wrong, in one line."""
+    if path.exists():
+        return ""
+    try:
+        frames = [profile_ops_concurrently(model, tuple(inputs), target, loss_fn, precisions,
+                                           processes=processes, threads=threads,
+                                           repeats=REPEATS, warmup=WARMUP)
+                  for inputs, target in tqdm(batches.values(), desc="profile ops",
+                                             unit="batch size")]
+    except Exception as err:  # fx cannot trace it, or it does not pickle
+        text = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {text[0] if text else ''}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_profile(path, pd.concat(frames, ignore_index=True),
+                  {**run_metadata("cpu", threads=threads), **metadata})
+    return ""

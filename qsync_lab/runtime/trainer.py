@@ -139,8 +139,8 @@ class _Run:
                          seed=self.config.seed, **kwargs)
 
     def _profile_model(self) -> str | None:
-        """A user model's ops timed by every rank (cached; :mod:`qsync_lab.profile.model_cache`)
-        for the prediction, unless profiles were given or the ranks run on CUDA (whose
+        """A user model's ops timed before it trains (cached;
+        :mod:`qsync_lab.profile.model_cache`) for the prediction, unless profiles were given or the ranks run on CUDA (whose
         in-step times the host clock cannot read)."""
         if self.task.model_name or self.config.profiles or self.cuda:
             return None
@@ -148,14 +148,13 @@ class _Run:
 
         torch.manual_seed(self.config.seed)
         model = self.task.build_model()
-        inputs, target = self.task.example(self.batch_sizes[self.rank])
+        batches = {size: self.task.example(size) for size in dict.fromkeys(self.batch_sizes)}
         precisions = {"fp32", *(str(config.forward) for ops in self.plan.precisions.values()
                                 for config in ops.values())}
         try:
             return str(ranks_profile_model(
-                model, tuple(inputs), target, self.task.loss_fn(),
-                fingerprint=self.plan.model_fingerprint, batch_sizes=self.batch_sizes,
-                precisions=sorted(precisions)))
+                model, batches, self.task.loss_fn(), fingerprint=self.plan.model_fingerprint,
+                batch_sizes=self.batch_sizes, precisions=sorted(precisions)))
         except QSyncError as err:
             if self.rank == 0:
                 print(f"qsync_lab: {err}", file=sys.stderr)
