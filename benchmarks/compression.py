@@ -49,6 +49,7 @@ from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.launch import torchrun_command
+from reporting import finish_report, load_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ("fp16", "bf16", "global_qsgd:8", "aps:fp8_e5m2", "cgx:8", "cgx:4",
@@ -180,10 +181,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 20:
         parser.error("--repeats must be at least 20 (medians of fewer calls are noise here)")
-    load = os.getloadavg()
     report = [f"compressed gradient communication, gloo on {os.cpu_count()} cores, torch "
-              f"{torch.__version__}, 1 intra-op thread per rank; 1/5/15-min load before: "
-              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", "",
+              f"{torch.__version__}, 1 intra-op thread per rank; {load_line('before')}", "",
               f"1. one 25 MiB fp32 bucket ({BUCKET_SHAPE[0]} x {BUCKET_SHAPE[1]} weight), hook "
               f"call to completed future, slowest rank, median of {args.repeats} "
               f"(min-max beside it); x_fp32 = time / the fp32 allreduce's"]
@@ -206,12 +205,7 @@ def main() -> None:
                    runs.to_string(index=False, float_format=lambda v: f"{v:.3f}"),
                    f"largest |step error|: {worst:.1f} % (target <= {TARGET_PCT:g} %) "
                    f"{'MET' if worst <= TARGET_PCT else 'MISSED'}"]
-    load = os.getloadavg()
-    report.append(f"1/5/15-min load after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    text = "\n".join(report)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    finish_report(report, args.out)
 
 
 if __name__ == "__main__":

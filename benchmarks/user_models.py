@@ -34,6 +34,7 @@ from qsync_lab.plan import Plan
 from qsync_lab.policy import PLANNABLE_KINDS
 from qsync_lab.resources import data_file
 from qsync_lab.runtime.prediction import predict_plan
+from reporting import finish_report, load_line
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER, THREADS = "local-cpu", 1
@@ -74,7 +75,7 @@ def main() -> None:
     cluster = load_cluster(CLUSTER)
     batch = cluster.ranks[0].batch_size
     shipped = load_cost_model(data_file("profiles", "cpu.csv"))
-    load = os.getloadavg()
+    before = load_line("before")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache"
@@ -103,8 +104,7 @@ def main() -> None:
     verdict = "MET" if median <= MEDIAN_TARGET_PCT and largest <= MAX_TARGET_PCT else "MISSED"
     report = [
         f"user-model predictions on {CLUSTER} (2 gloo ranks x {THREADS} thread, batch {batch} "
-        f"each, {args.steps} steps, the first fifth warm-up); 1/5/15-min load before: "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        f"each, {args.steps} steps, the first fifth warm-up); {before}",
         "pred: from the ops timed before training (cached) + the shipped profile; "
         "shipped_only: from the shipped profile alone (the roofline for these ops)", "",
         table.to_string(index=False, float_format=lambda v: f"{v:.2f}"), "",
@@ -113,12 +113,7 @@ def main() -> None:
         f"median |step error| from the shipped profile alone: "
         f"{statistics.median(table['shipped_only_err_%'].abs()):.1f} %",
         f"median |peak memory error| {statistics.median(table['mem_err_%'].abs()):.1f} %"]
-    load = os.getloadavg()
-    report.append(f"1/5/15-min load after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    text = "\n".join(report)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    finish_report(report, args.out)
 
 
 if __name__ == "__main__":
