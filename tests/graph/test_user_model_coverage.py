@@ -75,10 +75,11 @@ def test_user_model_flops_match_torchs_counter(name):
     assert g.totals()["param_count"] == sum(p.numel() for p in family_model(name).parameters())
 
 
+#: the saved-activation check runs the models for real: the large two are left out
 SMALL_ZOO = [n for n in list_models() if n not in ("bert_base", "resnet50")]
 
 
-@pytest.mark.parametrize("name", SMALL_ZOO)
+@pytest.mark.parametrize("name", list_models())
 def test_zoo_model_flops_match_torchs_counter(name):
     inputs, target = example_batch(name, 2, **DATA.get(name, {}))
     _check(get_model(name), inputs, target, model_spec(name).loss_fn())
