@@ -12,6 +12,7 @@ Example::
     [('0', 'linear'), ('1', 'activation')]
 """
 
+import contextlib
 import functools
 
 import torch
@@ -32,6 +33,29 @@ class _LeafTracer(fx.Tracer):
         return is_leaf_module(m)
 
 
+@contextlib.contextmanager
+def _traceable_transformers():
+    """``nn.TransformerEncoder`` and its layers as torch.fx can trace them: without the
+    inference fast path, whose eligibility checks branch on tensors (a training graph never
+    takes it), and with the sequence length that only serves to detect a causal mask from a
+    given mask left to the mask (``_get_seq_len`` branches on ``src.is_nested``)."""
+    mha = getattr(torch.backends, "mha", None)
+    transformer = nn.modules.transformer
+    seq_len = getattr(transformer, "_get_seq_len", None)
+    before = mha.get_fastpath_enabled() if mha is not None else None
+    if mha is not None:
+        mha.set_fastpath_enabled(False)
+    if seq_len is not None:
+        transformer._get_seq_len = lambda src, batch_first: None
+    try:
+        yield
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(before)
+        if seq_len is not None:
+            transformer._get_seq_len = seq_len
+
+
 def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` that keeps every op module as one ``call_module`` node
     (``torch.fx`` alone inlines user modules such as the zoo's ``MatMul``).
@@ -43,7 +67,9 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
         >>> [n.op for n in gm.graph.nodes]
         ['placeholder', 'call_module', 'output']
     """
-    return fx.GraphModule(model, _LeafTracer().trace(model), type(model).__name__)
+    with _traceable_transformers():
+        graph = _LeafTracer().trace(model)
+    return fx.GraphModule(model, graph, type(model).__name__)
 
 
 def trace_fx(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[OpRecord]:

@@ -17,10 +17,6 @@ from qsync_lab.models.families import FAMILIES, family_batch, family_model
 
 from tests.graph.test_zoo_graphs import DATA
 
-# nn.TransformerEncoder's fast-path checks branch on tensors: the ViT is traced by hooks
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:torch.fx cannot trace:qsync_lab.graph.opgraph.TracingFallbackWarning")
-
 #: the kinds whose FLOPs torch's counter counts too (it leaves element-wise math out)
 GEMM_LIKE = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"}) | COUNTED_KINDS
 
@@ -116,7 +112,11 @@ def test_saved_activations_match_what_autograd_keeps(name):
 
 
 def test_attention_recurrent_and_transformer_layers_are_ops_of_their_kind():
+    fast_path = torch.backends.mha.get_fastpath_enabled()
     g = trace_graph(family_model("vit"), family_batch("vit", 2)[0])
+    assert g.traced_with == "fx"  # nn.TransformerEncoder traced without its fast path
+    assert torch.backends.mha.get_fastpath_enabled() == fast_path
+    assert nn.modules.transformer._get_seq_len(torch.zeros(2, 5, 3), True) == 5  # restored
     assert (g.ops["kind"] != "other").all(), g.ops[g.ops["kind"] == "other"]["target"]
     assert (g.ops["kind"] == "attention").sum() == 2  # one MultiheadAttention per layer
     assert (g.ops["kind"] == "linear").sum() == 2 * 2 + 1  # each layer's FFN, the head
