@@ -201,6 +201,13 @@ def _with_loss(model: nn.Module, loss_fn: nn.Module | None, num_inputs: int, *,
     return cls(model, loss_fn)
 
 
+def _loss_root(model: nn.Module, loss_fn: nn.Module, example_inputs) -> tuple[nn.Module, tuple]:
+    """``(root, inputs)``: ``root(*inputs, target)`` computes ``loss_fn(model(...), target)``
+    for a tuple batch or a dict batch (``model(**batch)``)."""
+    inputs, keywords = _as_inputs(example_inputs)
+    return _with_loss(model, loss_fn, len(inputs), keywords=keywords), inputs
+
+
 def _strip_wrapper(rec: OpRecord, model: nn.Module) -> OpRecord:
     """Drop the ``model.`` prefix that tracing through ``_WithLoss`` adds (a model that is
     itself one op module, e.g. a bare ``nn.Linear``, is named after its class)."""

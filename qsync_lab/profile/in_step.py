@@ -41,7 +41,7 @@ from torch import fx, nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import symbolic_trace
-from qsync_lab.graph.opgraph import _with_loss
+from qsync_lab.graph.opgraph import _loss_root
 from qsync_lab.policy import OpPrecision
 from qsync_lab.precision import Precision
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
@@ -68,20 +68,21 @@ class InStepTimes:
     effective: list[str]
 
 
-def time_ops_in_steps(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
+def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
                       loss_fn: nn.Module, precision: "Precision | str", *, steps: int = 10,
                       warmup: int = 3) -> InStepTimes:
-    """Time each op of ``loss_fn(model(*example_inputs), target)`` inside training steps with
+    """Time each op of ``loss_fn(model(*example_inputs), target)`` (``model(**example_inputs)``
+    for a dict batch) inside training steps with
     every op in ``precision`` where it can be (see the module docstring); ``model`` is not
     modified."""
     if steps < 1 or warmup < 0:
         raise QSyncError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
+    model = copy.deepcopy(model)
+    root, example_inputs = _loss_root(model, loss_fn, example_inputs)
     if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (*example_inputs, target)):
         raise QSyncError("in-step timing measures synchronous CPU execution; profile CUDA ops "
                          "with method='isolated'")
     precision = Precision.parse(precision)
-    model = copy.deepcopy(model)
-    root = _with_loss(model, loss_fn, len(example_inputs))
     gm = symbolic_trace(root)
     taken = _set_precision(gm, precision)
     runner = _TimedRun(gm, precision, taken)

@@ -90,7 +90,7 @@ def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
     if path.exists():
         return ""
     try:
-        frames = [profile_ops_concurrently(model, tuple(inputs), target, loss_fn, precisions,
+        frames = [profile_ops_concurrently(model, inputs, target, loss_fn, precisions,
                                            processes=processes, threads=threads,
                                            repeats=REPEATS, warmup=WARMUP)
                   for inputs, target in tqdm(batches.values(), desc="profile ops",

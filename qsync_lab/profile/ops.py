@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 from qsync_lab.costs import PROFILE_COLUMNS, op_work, phase_work, shape_key
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import symbolic_trace, trace_graph
-from qsync_lab.graph.opgraph import _with_loss
+from qsync_lab.graph.opgraph import _loss_root
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.policy import DEFAULT_BACKWARD, OpPrecision
 from qsync_lab.precision import Precision
@@ -107,7 +107,7 @@ class _Capture(fx.Interpreter):
         return out
 
 
-def profile_ops(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
+def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
                 loss_fn: nn.Module, precisions: Sequence["Precision | str"], *,
                 device: str = "cpu", repeats: int = 10, warmup: int = 2,
                 method: str = "in_step", progress: bool = True) -> pd.DataFrame:
@@ -115,7 +115,8 @@ def profile_ops(model: nn.Module, example_inputs: tuple, target: torch.Tensor,
 
     Args:
         model: the model (not modified).
-        example_inputs: one per-rank batch of inputs; its dim 0 is the profiled batch size.
+        example_inputs: one per-rank batch of inputs (a tuple, or a dict passed by name);
+            its dim 0 is the profiled batch size.
         target: the batch's target.
         loss_fn: the loss module.
         precisions: forward precisions to profile each op in (``fp32`` first is usual).
@@ -227,7 +228,7 @@ def autograd_call_overhead_us(*, repeats: int = 20, warmup: int = 3) -> float:
 
 
 def _capture(model, example_inputs, target, loss_fn) -> list[_Call]:
-    root = _with_loss(model, loss_fn, len(example_inputs))
+    root, example_inputs = _loss_root(model, loss_fn, example_inputs)
     gm = symbolic_trace(root)
     capture = _Capture(gm)
     with torch.enable_grad():

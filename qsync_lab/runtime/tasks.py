@@ -20,7 +20,7 @@ Example::
 """
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from torch import nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import example_batch, get_model, model_spec
 
-__all__ = ["TASKS", "Task", "default_task", "load_task"]
+__all__ = ["TASKS", "Task", "call_model", "default_task", "load_task", "map_inputs"]
 
 #: model -> its bundled task; every other zoo model trains on ``synthetic``
 DEFAULT_TASKS = {"digits_cnn": "digits", "digits_mlp": "mnist1d", "bert_mini": "tokens",
@@ -39,6 +39,27 @@ DEFAULT_TASKS = {"digits_cnn": "digits", "digits_mlp": "mnist1d", "bert_mini": "
 SYNTHETIC_SAMPLES = (512, 128)
 TOKEN_SAMPLES = (4096, 1024)
 MNIST1D_LENGTH = 40
+
+
+Inputs = "tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]"
+
+
+def map_inputs(inputs, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``fn`` applied to every input tensor, keeping the tuple or dict.
+
+    Example::
+
+        >>> map_inputs({"ids": torch.arange(6)}, lambda t: t[:2])
+        {'ids': tensor([0, 1])}
+    """
+    if isinstance(inputs, Mapping):
+        return {name: fn(t) for name, t in inputs.items()}
+    return tuple(fn(t) for t in inputs)
+
+
+def call_model(model: nn.Module, inputs):
+    """``model(*inputs)``, or ``model(**inputs)`` for a dict batch."""
+    return model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,8 @@ class Task:
         name: the task's name.
         model_name: the zoo model (empty for a user model).
         build_model: ``build_model() -> nn.Module`` with fresh weights (seeded by the caller).
-        train_inputs / test_inputs: the model's positional inputs, first dimension = samples.
+        train_inputs / test_inputs: the model's positional inputs (a tuple), or a dict of
+            them passed by name (``model(**batch)``); first dimension = samples.
         train_target / test_target: the targets, first dimension = samples.
         loss_fn: ``loss_fn() -> nn.Module`` computing a *mean* loss over the batch.
         model_kwargs: the zoo model's keyword arguments (recorded in checkpoints).
@@ -67,9 +89,9 @@ class Task:
     name: str
     model_name: str
     build_model: Callable[[], nn.Module]
-    train_inputs: tuple[torch.Tensor, ...]
+    train_inputs: Inputs
     train_target: torch.Tensor
-    test_inputs: tuple[torch.Tensor, ...]
+    test_inputs: Inputs
     test_target: torch.Tensor
     loss_fn: Callable[[], nn.Module] = nn.CrossEntropyLoss
     model_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -77,7 +99,8 @@ class Task:
     def __post_init__(self) -> None:
         for split in ("train", "test"):
             inputs, target = getattr(self, f"{split}_inputs"), getattr(self, f"{split}_target")
-            sizes = {len(t) for t in (*inputs, target)}
+            tensors = inputs.values() if isinstance(inputs, Mapping) else inputs
+            sizes = {len(t) for t in (*tensors, target)}
             if len(sizes) != 1 or not sizes.pop():
                 raise QSyncError(f"task {self.name!r}: the {split} inputs and target must be "
                                  "non-empty and have the same number of samples")
@@ -86,9 +109,11 @@ class Task:
     def num_train(self) -> int:
         return len(self.train_target)
 
-    def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The first ``batch_size`` training samples (for tracing the model)."""
-        return tuple(t[:batch_size] for t in self.train_inputs), self.train_target[:batch_size]
+    def example(self, batch_size: int):
+        """The first ``batch_size`` training samples (for tracing the model): inputs (as the
+        task holds them, a tuple or a dict) and target."""
+        return (map_inputs(self.train_inputs, lambda t: t[:batch_size]),
+                self.train_target[:batch_size])
 
 
 def default_task(model: str) -> str:

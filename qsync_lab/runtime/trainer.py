@@ -57,7 +57,7 @@ from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.metrics import MetricsLog
 from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
-from qsync_lab.runtime.tasks import Task, default_task, load_task
+from qsync_lab.runtime.tasks import Task, call_model, default_task, load_task, map_inputs
 
 __all__ = ["DEVICE_KIND_ENV", "TrainConfig", "train"]
 
@@ -215,11 +215,11 @@ class _Run:
     def _step(self, step: int) -> tuple[float, float]:
         """One global step; returns (this rank's step time in ms, its mean loss)."""
         index = self.sampler.indices(step, self.rank)
-        inputs = tuple(t[index].to(self.device) for t in self.task.train_inputs)
+        inputs = map_inputs(self.task.train_inputs, lambda t: t[index].to(self.device))
         target = self.task.train_target[index].to(self.device)
         begin = time.perf_counter()
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.ddp(*inputs), target)
+        loss = self.loss_fn(call_model(self.ddp, inputs), target)
         (loss * self.weight).backward()
         self.optimizer.step()
         if self.cuda:
@@ -342,11 +342,13 @@ class _Run:
     def _evaluate(self) -> tuple[float, float]:
         model = self.ddp.module
         model.eval()
-        inputs = tuple(t.to(self.device) for t in self.task.test_inputs)
+        inputs = map_inputs(self.task.test_inputs, lambda t: t.to(self.device))
         target = self.task.test_target.to(self.device)
-        output = model(*inputs)
+        output = call_model(model, inputs)
         model.train()
-        accuracy = float((output.argmax(-1) == target).float().mean())
+        accuracy = None  # a model returning more than class scores: the loss only
+        if isinstance(output, torch.Tensor) and output.shape[:-1] == target.shape:
+            accuracy = float((output.argmax(-1) == target).float().mean())
         return accuracy, float(self.loss_fn(output, target))
 
 

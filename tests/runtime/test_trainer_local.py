@@ -223,3 +223,44 @@ def test_predicted_tensor_peak_counts_the_optimizer_of_the_run(tmp_path, single_
                                                       seq_len=32).parameters()) / 2**20
     assert measured["sgd_momentum"] - measured["sgd"] == pytest.approx(params_mib, rel=0.05)
     assert measured["adamw"] - measured["sgd"] == pytest.approx(2 * params_mib, rel=0.05)
+
+
+class _DictModel(torch.nn.Module):
+    """Called as ``model(**batch)``, returning a dict (Hugging Face style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids, weights):
+        pooled = (self.embed(input_ids) * weights.unsqueeze(-1)).mean(dim=1)
+        return {"logits": self.head(pooled)}
+
+
+class _DictLoss(torch.nn.Module):
+    def forward(self, out, target):
+        return torch.nn.functional.cross_entropy(out["logits"], target)
+
+
+def test_a_dict_batch_model_trains_and_is_profiled(tmp_path, single_rank_group, monkeypatch):
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.costs import read_profile
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+
+    monkeypatch.setenv("QSYNC_LAB_CACHE", str(tmp_path / "cache"))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (96, 5), generator=generator)
+    batch = {"input_ids": ids, "weights": torch.ones(96, 5)}
+    y = (ids[:, 0] < 10).long()
+    task = Task("dict", "", _DictModel, batch, y, batch, y, loss_fn=_DictLoss)
+    cluster = cluster_file(tmp_path, ['{ kind = "cpu", count = 1, batch_size = 16 }'])
+    inputs, target = task.example(16)
+    graph = trace_graph(_DictModel(), inputs, target=target, loss_fn=_DictLoss())
+    Plan.build(graph, load_cluster(cluster), {"cpu": {"head": "bf16"}}).save(tmp_path / "p.json")
+    summary = train(TrainConfig(str(tmp_path / "p.json"), str(tmp_path / "run"), steps=6),
+                    task=task)
+    assert summary["test_accuracy"] is None and summary["test_loss"] > 0  # no class scores
+    assert summary["ranks"][0]["applied_plan"]["head"].startswith("bf16")
+    (cached,) = (tmp_path / "cache" / "profiles").glob("*.csv")
+    assert {"embed", "head"} <= set(read_profile(cached).frame["op"])
