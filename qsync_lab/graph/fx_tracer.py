@@ -35,10 +35,10 @@ class _LeafTracer(fx.Tracer):
 
 @contextlib.contextmanager
 def _traceable_transformers():
-    """``nn.TransformerEncoder`` and its layers as torch.fx can trace them: without the
-    inference fast path, whose eligibility checks branch on tensors (a training graph never
-    takes it), and with the sequence length that only serves to detect a causal mask from a
-    given mask left to the mask (``_get_seq_len`` branches on ``src.is_nested``)."""
+    """``nn.TransformerEncoder`` and its layers as torch.fx can trace them: the inference
+    fast path off (its eligibility checks branch on tensors; a training graph never takes
+    it), and ``_get_seq_len`` (which branches on ``src.is_nested``) answering None: the
+    length only serves to detect a causal mask, which then reads it off the mask itself."""
     mha = getattr(torch.backends, "mha", None)
     transformer = nn.modules.transformer
     seq_len = getattr(transformer, "_get_seq_len", None)

@@ -13,18 +13,18 @@ Conventions (documented once, used by every cost consumer):
   from ``torch.utils.flop_counter`` (``OpRecord.counted_fwd_flops``) and, as every GEMM,
   twice that backward: a weight gradient equal to the forward when the op holds
   parameters, the rest for input gradients (attention's four backward GEMMs against its
-  two forward ones). They save their inputs, attention its output and log-sum-exp rows (and a
-  multi-head attention module its projected queries, keys and values),
-  and recurrent layers per token and layer-direction the floats of
-  ``RECURRENT_SAVED_FLOATS`` (measured with ``saved_tensors_hooks`` on CPU).
+  two forward ones). They save their inputs; attention also its output and log-sum-exp
+  rows (a multi-head attention module its projected queries, keys and values too), and
+  recurrent layers per token and layer-direction the floats of ``RECURRENT_SAVED_FLOATS``
+  (measured with ``saved_tensors_hooks`` on CPU).
 * Element-wise kinds use nominal FLOPs per element (table ``ELEMENTWISE_FLOPS``); they
   are memory-bound, so the cost model relies on their bytes, not these numbers.
 * ``bytes_read`` counts activation inputs plus parameters, ``bytes_written`` the outputs;
   view ops move nothing.
 * Bytes saved for backward follow what PyTorch autograd keeps: inputs of GEMMs, the
-  output of softmax, ReLU, sigmoid and tanh (the input of other activations), a dropout mask (1 byte per element on CUDA,
-  whose fused kernel keeps a bool mask; the input's dtype on CPU), input + statistics for
-  norms, input + int64 indices for max-pooling.
+  output of softmax, ReLU, sigmoid and tanh (the input of other activations), a dropout
+  mask (1 byte per element on CUDA, whose fused kernel keeps a bool mask; the input's dtype
+  on CPU), input + statistics for norms, input + int64 indices for max-pooling.
 
 Example::
 
@@ -109,7 +109,7 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     if rec.kind in _GEMM_KINDS:
         return _count_gemm(rec, out_numel)
     if rec.kind in COUNTED_KINDS:
-        return _count_counted(rec, out_bytes)
+        return _count_counted(rec)
     if rec.kind == "embedding":
         return 0, 0, out_numel, (0,), 0
     if rec.kind == "pool":
@@ -171,7 +171,7 @@ def _count_gemm(rec: OpRecord, out_numel: int) -> tuple[int, int, int, tuple[int
     return 2 * macs, 2 * macs * operands, 0, tuple(range(operands)), 0
 
 
-def _count_counted(rec: OpRecord, out_bytes: int) -> tuple[int, int, int, tuple[int, ...], int]:
+def _count_counted(rec: OpRecord) -> tuple[int, int, int, tuple[int, ...], int]:
     fwd = rec.counted_fwd_flops or 0
     if fwd == 0:  # nothing torch counts: data movement or unknown math, nothing saved
         return 0, 0, 0, (), 0

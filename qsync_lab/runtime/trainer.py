@@ -139,9 +139,9 @@ class _Run:
                          seed=self.config.seed, **kwargs)
 
     def _profile_model(self) -> str | None:
-        """A user model's ops timed before it trains (cached;
-        :mod:`qsync_lab.profile.model_cache`) for the prediction, unless profiles were given or the ranks run on CUDA (whose
-        in-step times the host clock cannot read)."""
+        """The profile of a user model's ops, timed before it trains for the prediction
+        (cached; :mod:`qsync_lab.profile.model_cache`); None when profiles were given or the
+        ranks run on CUDA (whose in-step times the host clock cannot read)."""
         if self.task.model_name or self.config.profiles or self.cuda:
             return None
         from qsync_lab.profile.model_cache import ranks_profile_model

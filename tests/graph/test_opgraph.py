@@ -86,7 +86,7 @@ def test_depth_is_longest_path_and_views_add_none():
     assert set(g.edges.itertuples(index=False, name=None)) >= {("fc2", "add"), ("add", "flatten")}
 
 
-def _autograd_saved_bytes(model, inputs, target, loss_fn):
+def autograd_saved_bytes(model, inputs, target, loss_fn):
     """Bytes of the storages autograd saves (parameters excluded), each counted once."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -113,7 +113,7 @@ def test_saved_activation_bytes_match_autograd(build, make_input):
     target = torch.randint(0, 5, (x.shape[0],))
     loss_fn = nn.CrossEntropyLoss()
     g = trace_graph(model, x, target=target, loss_fn=loss_fn)
-    actual = _autograd_saved_bytes(model, (x,), target, loss_fn)
+    actual = autograd_saved_bytes(model, (x,), target, loss_fn)
     assert g.saved_activation_bytes("cpu") == pytest.approx(actual, rel=1e-3)
     assert g.saved_activation_bytes("cuda") <= g.saved_activation_bytes("cpu")
 

@@ -15,6 +15,7 @@ from qsync_lab.graph.kinds import COUNTED_KINDS
 from qsync_lab.models import example_batch, get_model, list_models, model_spec
 from qsync_lab.models.families import FAMILIES, family_batch, family_model
 
+from tests.graph.test_opgraph import autograd_saved_bytes
 from tests.graph.test_zoo_graphs import DATA
 
 #: the kinds whose FLOPs torch's counter counts too (it leaves element-wise math out)
@@ -81,22 +82,6 @@ def test_zoo_model_flops_match_torchs_counter(name):
     _check(get_model(name), inputs, target, model_spec(name).loss_fn())
 
 
-def saved_storage_bytes(model: nn.Module, inputs, target, loss_fn) -> int:
-    """Bytes of the distinct storages autograd keeps for backward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss_fn(model(*inputs), target)
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("name", [*sorted(FAMILIES), *SMALL_ZOO])
 def test_saved_activations_match_what_autograd_keeps(name):
     torch.manual_seed(0)
@@ -107,7 +92,7 @@ def test_saved_activations_match_what_autograd_keeps(name):
         model, loss_fn = get_model(name), model_spec(name).loss_fn()
         inputs, target = example_batch(name, 8, **DATA.get(name, {}))
     g = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
-    measured = saved_storage_bytes(model, inputs, target, loss_fn)
+    measured = autograd_saved_bytes(model, inputs, target, loss_fn)
     assert g.saved_activation_bytes("cpu") == pytest.approx(measured, rel=0.07)
 
 
