@@ -2,7 +2,9 @@
 
 Bars are horizontal ``go.Bar(base=start_us, x=dur_us, orientation="h")`` on a numeric
 axis (``px.timeline`` only has a date axis), one trace per colour group so the legend
-toggles them.
+toggles them. Precisions keep their :data:`~qsync_lab.viz.common.PRECISION_COLORS`, casts
+are hatched ``/`` and compressed allreduces ``x`` whatever the colouring, and a light
+``idle`` trace marks where each compute stream waits.
 
 Example::
 
@@ -15,7 +17,7 @@ Example::
     >>> sim = simulate(graph, {"T4": {"0": "fp16"}}, load_cluster("local-hybrid"), CostModel())
     >>> fig = plot_timeline(sim)
     >>> sorted(trace.name for trace in fig.data), fig.layout.xaxis.type
-    (['fp16', 'fp32'], 'linear')
+    (['fp16', 'fp32', 'idle'], 'linear')
 """
 
 import numpy as np
@@ -23,10 +25,14 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.viz.common import PRECISION_COLORS, rank_label, selected_ranks
 
 __all__ = ["plot_timeline"]
 
 _COLOR_COLUMNS = ("precision", "plan_precision", "category", "phase", "source", "stream")
+_CATEGORY_PATTERNS = {"cast": "/", "compressed": "x"}
+_IDLE_COLOR = "rgba(128, 128, 128, 0.15)"
+_MIN_IDLE_US = 1e-3  # shorter gaps are rounding between back-to-back events
 _ROW_HEIGHT_PX = 28
 _MIN_HEIGHT_PX = 250
 
@@ -49,24 +55,32 @@ def plot_timeline(sim, *, ranks: "list[int] | None" = None, color_by: str = "pre
     if color_by not in _COLOR_COLUMNS:
         raise QSyncError(f"cannot colour by {color_by!r}; choose one of: "
                          f"{', '.join(_COLOR_COLUMNS)}")
-    selected = _default_ranks(sim) if ranks is None else list(ranks)
-    bad = [r for r in selected if not 0 <= r < sim.world_size]
-    if bad:
-        raise QSyncError(f"rank {bad[0]} is out of range; use 0..{sim.world_size - 1}")
+    selected = selected_ranks(sim, ranks)
     events = pd.concat([sim.rank_events(r) for r in selected], ignore_index=True)
-    labels = [f"rank {r} ({sim.rank_devices[r]}) {stream}"
+    labels = [f"{rank_label(sim, r)} {stream}"
               for r, stream in zip(events["rank"], events["stream"])]
     events = events.assign(row=labels)
     row_order = list(dict.fromkeys(labels))
     fig = go.Figure()
+    by_precision = color_by in ("precision", "plan_precision")
     for value, group in events.groupby(color_by, sort=True):
+        patterns = group["category"].map(_CATEGORY_PATTERNS).fillna("").tolist()
         fig.add_trace(go.Bar(
             name=str(value), orientation="h", base=group["start_us"].to_numpy(),
             x=group["dur_us"].to_numpy(), y=group["row"].tolist(),
-            customdata=np.stack([group["op"], group["phase"], group["source"]], axis=-1),
-            hovertemplate="%{customdata[0]}<br>%{customdata[1]}, %{x:.1f} us from "
-                          "%{base:.1f} us<br>source: %{customdata[2]}<extra>%{fullData.name}"
-                          "</extra>"))
+            marker={"color": PRECISION_COLORS.get(str(value)) if by_precision else None,
+                    "pattern_shape": patterns},
+            customdata=np.stack([group["op"], group["category"], group["phase"],
+                                 group["source"]], axis=-1),
+            hovertemplate="%{customdata[0]}<br>%{customdata[1]}, %{customdata[2]}, %{x:.1f} "
+                          "us from %{base:.1f} us<br>source: %{customdata[3]}<extra>"
+                          "%{fullData.name}</extra>"))
+    idle = _idle_gaps(events, sim.iteration_us)
+    if len(idle):
+        fig.add_trace(go.Bar(name="idle", orientation="h", base=idle["start_us"].to_numpy(),
+                             x=idle["dur_us"].to_numpy(), y=idle["row"].tolist(),
+                             marker_color=_IDLE_COLOR,
+                             hovertemplate="idle %{x:.1f} us from %{base:.1f} us<extra></extra>"))
     fig.update_layout(
         barmode="overlay", title=title or f"one iteration: {sim.iteration_us / 1e3:.2f} ms",
         xaxis={"title": "time (us)", "type": "linear"},
@@ -75,6 +89,23 @@ def plot_timeline(sim, *, ranks: "list[int] | None" = None, color_by: str = "pre
     return fig
 
 
-def _default_ranks(sim) -> list[int]:
-    _, first = np.unique(sim.class_of_rank, return_index=True)
-    return sorted(first.tolist())
+def _idle_gaps(events: pd.DataFrame, iteration_us: float) -> pd.DataFrame:
+    """Per compute row of ``events`` (start-ordered, with a ``row`` column), where it waits
+    between 0 and ``iteration_us``: columns ``row``, ``start_us``, ``dur_us``.
+
+    Example::
+
+        >>> events = pd.DataFrame({"row": ["r"] * 2, "stream": ["compute"] * 2,
+        ...                        "start_us": [0.0, 5.0], "dur_us": [2.0, 1.0]})
+        >>> _idle_gaps(events, 10.0)[["start_us", "dur_us"]].values.tolist()
+        [[2.0, 3.0], [6.0, 4.0]]
+    """
+    found = []
+    for row, group in events[events["stream"] == "compute"].groupby("row", sort=False):
+        start_us = group["start_us"].to_numpy()
+        ends_us = np.maximum.accumulate(start_us + group["dur_us"].to_numpy())
+        begin_us = np.append(0.0, ends_us)
+        gap_us = np.append(start_us, iteration_us) - begin_us
+        keep = gap_us > _MIN_IDLE_US
+        found += [(row, b, d) for b, d in zip(begin_us[keep], gap_us[keep])]
+    return pd.DataFrame(found, columns=["row", "start_us", "dur_us"])
