@@ -9,17 +9,25 @@ Example::
     $ qsync-lab plan --model resnet18 --cluster local-hybrid --out local_plan.json
     $ qsync-lab simulate --plan local_plan.json
     $ qsync-lab run --plan local_plan.json --steps 30 --run-dir run
+    $ qsync-lab report --plan local_plan.json --out local_report.html
+    $ qsync-lab lab --port 8866
 """
 
 import argparse
+import importlib.util
 import os
+import secrets
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from qsync_lab.errors import QSyncError
 
 _OP_COLUMNS = ["kind", "output_shapes", "fwd_gflops", "bwd_gflops", "saved_mb", "depth"]
+#: what ``qsync-lab lab`` serves by default (the repository's notebooks folder)
+LAB_NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "04_plan_tuner.ipynb"
+LAB_PORT = 8866
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile_parser(sub)
     _add_plan_parser(sub)
     _add_simulate_parser(sub)
+    _add_report_parser(sub)
+    _add_lab_parser(sub)
 
     run = sub.add_parser("run", parents=[runtime_parser(add_help=False)],
                          help="train a plan on DDP ranks (torchrun): checks first, then a "
@@ -170,12 +180,20 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--compress", metavar="SPEC",
                       help="compress gradient communication, e.g. global_qsgd:8, cgx:4, aps, "
                       "qsgd:8, fp16 (the allocation costs it; the run registers it)")
-    plan.add_argument("--calibration-batches", type=int, default=2,
-                      help="batches for the sensitivity indicator (default 2)")
-    plan.add_argument("--profile", action="append", default=[], metavar="CSV",
-                      help="measured profile table(s) overriding the roofline")
+    _add_calibration_option(plan)
+    _add_profile_option(plan)
     plan.add_argument("--out", required=True, help="write the plan JSON here")
     plan.set_defaults(run=_cmd_plan)
+
+
+def _add_profile_option(parser) -> None:
+    parser.add_argument("--profile", action="append", default=[], metavar="CSV",
+                        help="measured profile table(s) overriding the roofline")
+
+
+def _add_calibration_option(parser) -> None:
+    parser.add_argument("--calibration-batches", type=int, default=2,
+                        help="batches for the sensitivity indicator (default 2)")
 
 
 def _cmd_plan(args) -> None:
@@ -216,8 +234,7 @@ def _add_simulate_parser(sub) -> None:
     simulate.add_argument("--uniform", action="append", default=[], metavar="DEVICE=PRECISION",
                           help="without --plan: run every linear and conv op of DEVICE in "
                           "PRECISION, e.g. T4=fp16 (repeatable)")
-    simulate.add_argument("--profile", action="append", default=[], metavar="CSV",
-                          help="measured profile table(s) overriding the roofline")
+    _add_profile_option(simulate)
     simulate.add_argument("--optimizer", choices=list(OPTIMIZER_STATES),
                           help="default: the plan's, else sgd_momentum")
     simulate.add_argument("--compress", metavar="SPEC",
@@ -232,6 +249,7 @@ def _cmd_simulate(args) -> None:
     from qsync_lab.compress import CompressionSettings
     from qsync_lab.costs import load_cost_model
     from qsync_lab.plan import Plan
+    from qsync_lab.report import rank_classes
     from qsync_lab.simulate import simulate
 
     CompressionSettings.parse(args.compress)  # a bad spec fails before any work
@@ -256,17 +274,69 @@ def _cmd_simulate(args) -> None:
     print(f"{name} on {cluster_name} ({sim.world_size} ranks, traced in {seconds:.1f} s)")
     print(f"iteration {sim.iteration_us / 1e3:.2f} ms, {sim.throughput_samples_per_s:.0f} "
           f"samples/s, {sim.wire_bytes.iloc[0] / 2**20:.1f} MiB sent per rank\n")
-    summary = sim.rank_summary().groupby(["device", "batch_size"]).agg(
-        ranks=("busy_us", "size"), busy_ms=("busy_us", "max"), idle_ms=("idle_us", "max"),
-        tensor_peak_gib=("tensor_peak_gib", "max"))
-    summary[["busy_ms", "idle_ms"]] /= 1e3
-    print(summary.round(2).to_string())
+    print(rank_classes(sim).round(2).to_string())
     sources = sim.events.groupby("source")["dur_us"].sum() / 1e3
     print("\ntime by cost source (ms, all ranks): "
           + ", ".join(f"{source} {ms:.1f}" for source, ms in sources.items()))
     if args.trace:
         sim.write_perfetto(args.trace)
         print(f"wrote the trace to {args.trace} (open it in ui.perfetto.dev)")
+
+
+def _add_report_parser(sub) -> None:
+    report = sub.add_parser("report", help="write a plan's report: one self-contained HTML "
+                            "file with its summary, the strategies compared and the figures")
+    report.add_argument("--plan", required=True, help="plan JSON (qsync-lab plan --out)")
+    report.add_argument("--out", required=True, help="HTML file to write (its folder must exist)")
+    _add_calibration_option(report)
+    _add_profile_option(report)
+    report.set_defaults(run=_cmd_report)
+
+
+def _cmd_report(args) -> None:
+    from qsync_lab.report import write_report
+
+    path = write_report(args.plan, args.out, profiles=args.profile,
+                        calibration_batches=args.calibration_batches)
+    print(f"wrote {path}")
+
+
+def _add_lab_parser(sub) -> None:
+    lab = sub.add_parser("lab", help="serve the plan-tuner notebook as an app (Voila) on "
+                         "127.0.0.1, behind a fresh token; prints its URL")
+    lab.add_argument("--port", type=int, default=LAB_PORT, help=f"port (default {LAB_PORT})")
+    lab.add_argument("--notebook", type=Path, default=LAB_NOTEBOOK,
+                     help=f"notebook to serve (default {LAB_NOTEBOOK})")
+    lab.set_defaults(run=_cmd_lab)
+
+
+def voila_command(notebook: "str | os.PathLike[str]", *, port: int) -> list[str]:
+    """The command that serves ``notebook`` with Voila on 127.0.0.1:``port`` (that port or
+    none), opening no browser, behind the token in ``$JUPYTER_TOKEN`` (an environment
+    variable: other users of the machine cannot read it from the process list).
+
+    Example::
+
+        >>> voila_command("tuner.ipynb", port=8866)[1:]
+        ['-m', 'voila', 'tuner.ipynb', '--no-browser', '--Voila.ip=127.0.0.1',
+         '--Voila.port=8866', '--Voila.port_retries=0', '--Voila.auto_token=True']
+    """
+    return [sys.executable, "-m", "voila", str(notebook), "--no-browser", "--Voila.ip=127.0.0.1",
+            f"--Voila.port={port}", "--Voila.port_retries=0", "--Voila.auto_token=True"]
+
+
+def _cmd_lab(args) -> None:
+    if not args.notebook.is_file():
+        raise QSyncError(f"notebook {args.notebook} not found; pass --notebook PATH")
+    if not 0 < args.port < 2**16:
+        raise QSyncError(f"--port must be in 1..65535, got {args.port}")
+    if importlib.util.find_spec("voila") is None:
+        raise QSyncError("qsync-lab lab needs voila: pip install 'qsync_lab[notebook]'")
+    token = secrets.token_urlsafe(32)
+    print(f"serving {args.notebook} at http://127.0.0.1:{args.port}/?token={token} "
+          "(Ctrl-C stops it)", flush=True)
+    command = voila_command(args.notebook, port=args.port)
+    os.execve(command[0], command, {**os.environ, "JUPYTER_TOKEN": token})
 
 
 def _key_value(item: str, flag: str, form: str, example: str, convert=str):

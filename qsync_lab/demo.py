@@ -2,7 +2,8 @@
 
 Part 1 — the QSync paper's setting, predicted: BERT-base on 16 V100 + 16 T4, traced,
 scored by the sensitivity indicator, allocated, compared with the other strategies, and
-written as ``paper_plan.json`` with a Perfetto trace of its iteration.
+written as ``paper_plan.json`` with a Perfetto trace of its iteration and an HTML report
+(``paper_report.html``: summary, strategies, figures; it opens offline).
 
 Part 2 — the same pipeline run for real on this machine's ``local-hybrid`` cluster
 (rank 0 plays a V100, rank 1 a T4, both on the CPU over gloo), for BERT-mini on the
@@ -21,6 +22,7 @@ import pandas as pd
 
 from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import ddp_buckets
+from qsync_lab.report import write_report
 from qsync_lab.study import Study
 
 __all__ = ["LOCAL_MODEL", "run_demo"]
@@ -62,16 +64,19 @@ def _paper_scale(out: Path, name: str, cluster_name: str) -> None:
     top = study.indicator()[("int8", "omega")].sort_values(ascending=False).head(5)
     print("most sensitive ops at int8: " + ", ".join(top.index))
     _section("4. strategies (catalog roofline costs)")
+    comparison = study.compare()
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(study.compare().round(2).to_string())
+        print(comparison.round(2).to_string())
     begin = time.perf_counter()
     plan = study.plan()
     seconds = time.perf_counter() - begin
     plan.save(out / "paper_plan.json")
     sim = study.simulate(plan)
     sim.write_perfetto(out / "paper_trace.json")
+    report = write_report(plan, out / "paper_report.html", study=study, comparison=comparison)
     print(f"QSync plan: iteration {sim.iteration_us / 1e3:.1f} ms, allocated in {seconds:.2f} s;"
-          f" wrote {out / 'paper_plan.json'}, {out / 'paper_trace.json'}")
+          f" wrote {out / 'paper_plan.json'}, {out / 'paper_trace.json'} and the report "
+          f"{report} (open it in a browser)")
 
 
 def _on_this_machine(out: Path, steps: int) -> dict:

@@ -1,12 +1,26 @@
+import importlib.util
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from qsync_lab.cli import main
+from qsync_lab.cli import LAB_NOTEBOOK, main, voila_command
+
+TINY_NOTEBOOK = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {
+    "name": "python3", "display_name": "Python 3", "language": "python"}}, "cells": [{
+        "cell_type": "code", "id": "c0", "metadata": {}, "execution_count": None,
+        "outputs": [], "source": "print('tiny lab ' + 'ok')"}]}
+LAB_TIMEOUT_S = 60
 
 
 def run(capsys, *argv):
@@ -69,6 +83,8 @@ def test_console_script_entry_point_runs_the_demo(tmp_path):
     from qsync_lab.plan import Plan
 
     assert Plan.load(out / "paper_plan.json").cluster_name == "qsync-paper"
+    assert f"the report {out / 'paper_report.html'}" in text
+    assert (out / "paper_report.html").read_text().count('class="plotly-graph-div"') == 5
     paper_trace = json.loads((out / "paper_trace.json").read_text())
     assert len({e["pid"] for e in paper_trace["traceEvents"] if e["ph"] == "X"}) == 32
     plan = Plan.load(out / "plan.json")
@@ -271,3 +287,109 @@ def test_profile_rejects_bad_numbers(capsys):
     code, _, err = run(capsys, "profile", "--model", "digits_mlp", "--threads", "0",
                        "--out", "x.csv")
     assert code == 2 and "must be positive integers" in err
+
+
+def test_lab_builds_a_local_voila_command_without_the_token():
+    command = voila_command(Path("tuner.ipynb"), port=8123)
+    assert command[:4] == [sys.executable, "-m", "voila", "tuner.ipynb"]
+    assert {"--no-browser", "--Voila.ip=127.0.0.1", "--Voila.port=8123",
+            "--Voila.port_retries=0", "--Voila.auto_token=True"} == set(command[4:])
+    assert LAB_NOTEBOOK == Path(__file__).resolve().parents[1] / "notebooks" / \
+        "04_plan_tuner.ipynb"
+
+
+def test_lab_without_its_notebook_is_one_line(capsys, tmp_path):
+    code, out, err = run(capsys, "lab", "--notebook", str(tmp_path / "none.ipynb"))
+    assert code == 2 and out == ""
+    assert err == f"qsync-lab: error: notebook {tmp_path / 'none.ipynb'} not found; pass " \
+        "--notebook PATH\n"
+
+
+def test_lab_without_voila_says_what_to_install(capsys, tmp_path, monkeypatch):
+    notebook = tmp_path / "tiny.ipynb"
+    notebook.write_text(json.dumps(TINY_NOTEBOOK))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "voila" else find_spec(name, *a))
+    code, _, err = run(capsys, "lab", "--notebook", str(notebook))
+    assert code == 2 and "pip install 'qsync_lab[notebook]'" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("voila") is None,
+                    reason="voila is not installed (pip install 'qsync_lab[notebook]')")
+def test_lab_serves_the_notebook_behind_its_token(tmp_path):
+    notebook = tmp_path / "tiny.ipynb"
+    notebook.write_text(json.dumps(TINY_NOTEBOOK))
+    stdout, stderr = tmp_path / "lab.out", tmp_path / "lab.err"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        lab = subprocess.Popen([sys.executable, "-m", "qsync_lab", "lab", "--port",
+                                str(_free_port()), "--notebook", str(notebook)],
+                               stdout=out, stderr=err, start_new_session=True)
+    try:
+        url, page = _served_page(lab, stdout, stderr)
+        assert "tiny lab ok" in page  # the notebook ran
+        assert _get(url.split("?")[0])[0] != 200  # no token, no notebook
+        kernels = _descendants(lab.pid)
+    finally:
+        os.killpg(lab.pid, signal.SIGTERM)
+        lab.wait(timeout=30)
+    assert _all_exited(kernels), f"left running: {kernels}"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _served_page(lab: subprocess.Popen, stdout: Path, stderr: Path) -> tuple[str, str]:
+    """The URL ``qsync-lab lab`` printed and its page, once the server answers it (200)."""
+    deadline = time.monotonic() + LAB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert lab.poll() is None, stderr.read_text()[-2000:]
+        found = re.search(r"http://127\.0\.0\.1:\d+/\?token=\S+", stdout.read_text())
+        try:
+            status, page = _get(found.group(0)) if found else (None, "")
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            status = None  # not listening yet
+        if status == 200:
+            return found.group(0), page
+        time.sleep(0.5)
+    raise AssertionError(f"no answer in {LAB_TIMEOUT_S} s: {stderr.read_text()[-2000:]}")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def _get(url: str) -> tuple[int, str]:
+    """Status and body of a GET that follows no redirect (a login page is not the app)."""
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(url, timeout=LAB_TIMEOUT_S) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, ""
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (the kernel runs in a session of its own)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").glob("*")
+                for c in (task / "children").read_text().split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _all_exited(pids: list[int], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(map(_running, pids))
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,103 @@
+"""The plan report: one self-contained HTML file whose numbers are the simulator's."""
+
+import re
+
+import pytest
+
+from qsync_lab.cli import main
+from qsync_lab.report import _number, precision_counts, rank_classes, write_report
+from qsync_lab.simulate import simulate
+from qsync_lab.study import Study
+
+FIGURES = 5  # timeline, memory, precision map, strategies, indicator
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A study, a plan that quantizes the T4's ops, its file and its report."""
+    folder = tmp_path_factory.mktemp("report")
+    study = Study("digits_mlp", cluster="local-hybrid", progress=False)
+    plan = study.plan(strategy="uniform-low")
+    plan.save(folder / "plan.json")
+    page = write_report(plan, folder / "report.html", study=study).read_text(encoding="utf-8")
+    return study, plan, folder, page
+
+
+def test_the_report_inlines_plotly_js_once_and_draws_every_figure(planned):
+    from plotly.offline import get_plotlyjs
+
+    _, _, folder, page = planned
+    assert page.startswith("<!DOCTYPE html>")
+    assert page.count(get_plotlyjs()) == 1
+    assert page.count('class="plotly-graph-div"') == FIGURES
+    assert page.count("Plotly.newPlot(") == FIGURES
+    assert not re.search(r"<(script|link)[^>]+(src|href)=", page)  # no network needed
+    assert sorted(p.name for p in folder.iterdir()) == ["plan.json", "report.html"]
+
+
+def test_the_summary_numbers_are_the_simulators(planned):
+    study, plan, _, page = planned
+    sim = simulate(study.graph, plan)  # the plan's own cluster and optimizer
+    assert f"<td>{_number(sim.iteration_us / 1e3)}</td>" in page
+    assert f"<td>{_number(sim.throughput_samples_per_s)}</td>" in page
+    for (device, batch), ranks, *numbers in rank_classes(sim).itertuples():
+        cells = [f"<th>{device}</th>", f"<th>{batch}</th>", f"<td>{ranks}</td>",
+                 *(f"<td>{_number(x)}</td>" for x in numbers)]  # busy, idle ms; peak GiB
+        assert "\n      ".join(cells) in page
+    counts = precision_counts(plan)
+    assert counts["low_precision_ops"].to_dict() == plan.low_precision_ops()
+    assert counts.loc["T4", "low_precision_ops"] > 0
+    assert "digits_mlp on local-hybrid: uniform-low" in page
+
+
+def test_the_cli_reports_a_plan_file_with_the_same_numbers(planned, capsys, tmp_path):
+    study, plan, folder, _ = planned
+    out = tmp_path / "cli_report.html"
+    code = main(["report", "--plan", str(folder / "plan.json"), "--out", str(out)])
+    assert code == 0 and capsys.readouterr().out == f"wrote {out}\n"
+    page = out.read_text(encoding="utf-8")
+    sim = simulate(study.graph, plan)
+    assert f"<td>{_number(sim.iteration_us / 1e3)}</td>" in page
+    assert page.count('class="plotly-graph-div"') == FIGURES
+    assert [p.name for p in tmp_path.iterdir()] == ["cli_report.html"]  # no temp file left
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing plan", "cannot read plan"),
+    ("unreadable plan", "cannot read plan"),
+    ("missing folder", "does not exist"),
+    ("symlink", "is a symlink; refusing to replace it"),
+    ("folder", "is a folder"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(planned, capsys, tmp_path, case, message):
+    plan, out = planned[2] / "plan.json", tmp_path / "report.html"
+    if case == "missing plan":
+        plan = tmp_path / "no_plan.json"
+    elif case == "unreadable plan":
+        plan = tmp_path / "garbage.json"
+        plan.write_text("{not json")
+    elif case == "missing folder":
+        out = tmp_path / "no_folder" / "report.html"
+    elif case == "symlink":
+        (tmp_path / "target.html").write_text("kept")
+        out.symlink_to(tmp_path / "target.html")
+    else:
+        out.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    code = main(["report", "--plan", str(plan), "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.startswith("qsync-lab: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(tmp_path.rglob("*")) == before
+    if case == "symlink":
+        assert out.is_symlink() and (tmp_path / "target.html").read_text() == "kept"
+
+
+def test_a_study_of_another_model_is_refused(planned, tmp_path):
+    from qsync_lab.errors import QSyncError
+
+    _, plan, _, _ = planned
+    other = Study("digits_cnn", cluster="local-hybrid", progress=False)
+    with pytest.raises(QSyncError, match="another model"):
+        write_report(plan, tmp_path / "report.html", study=other)
+    assert not list(tmp_path.iterdir())
