@@ -1,0 +1,176 @@
+"""A plan trained on this machine's emulated ranks in the background: torchrun started as
+``qsync-lab run`` starts it (:mod:`qsync_lab.runtime.launch`), in a session of its own,
+``metrics.jsonl`` read as it grows, and a cancel that leaves no process behind.
+
+torchrun starts each worker in a session of its own, so killing torchrun's process group
+would orphan them: :meth:`LocalRun.cancel` sends torchrun SIGTERM (it stops its workers),
+then kills whatever is left, the workers found by the pid files they write.
+
+Example::
+
+    >>> import json, pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    >>> _ = path.write_text(json.dumps({"step": 0}) + "\\n" + '{"step": 1')  # line 2 unfinished
+    >>> read_new_metrics(path, 0)
+    ([{'step': 0}], 12)
+    >>> read_new_metrics(path, 12)
+    ([], 12)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qsync_lab.cluster import Cluster
+from qsync_lab.errors import QSyncError
+from qsync_lab.plan import Plan
+from qsync_lab.runtime.launch import LOG_NAME, _rank_error, check_run, torchrun_command
+from qsync_lab.runtime.options import TrainConfig, runtime_argv
+from qsync_lab.widgets.export import PLAN_NAME
+
+if TYPE_CHECKING:
+    from qsync_lab.study import Study
+
+__all__ = ["LocalRun", "read_new_metrics", "runs_here"]
+
+POLL_S = 0.5
+STOP_GRACE_S = 20.0  # torchrun's own wait for its workers is 30 s
+
+
+def read_new_metrics(path: "str | os.PathLike[str]", offset: int) -> tuple[list[dict], int]:
+    """The records of ``path``'s complete lines after byte ``offset``, and the offset after
+    them (a line still being written is read by a later call; a missing file has none)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records, offset + end
+
+
+def runs_here(cluster: Cluster) -> bool:
+    """Whether this machine runs every rank of ``cluster`` (CPU ranks, or emulated ones)."""
+    return all(r.emulate_on is not None or cluster.catalog.device(r.device).kind == "cpu"
+               for r in cluster.ranks)
+
+
+class LocalRun:
+    """``plan`` training for ``steps`` steps on this machine, started on construction.
+
+    Attributes:
+        run_dir: the run's folder (``plan.json``, ``launch.log``, ``metrics.jsonl``,
+            ``summary.json``).
+        steps: the steps asked for.
+        predicted_step_ms: what the simulator predicts a local step takes
+            (:meth:`~qsync_lab.study.Study.predict_run`).
+        records: the ``metrics.jsonl`` records read so far (:meth:`poll`).
+        process: torchrun.
+
+    Raises:
+        QSyncError: the cluster has ranks this machine does not run, or a check of
+            :func:`~qsync_lab.runtime.launch.check_run` failed (nothing started).
+    """
+
+    def __init__(self, study: "Study", plan: Plan, run_dir: "str | os.PathLike[str]", *,
+                 steps: int) -> None:
+        if not runs_here(plan.cluster):
+            raise QSyncError(f"cluster {plan.cluster.name!r} has ranks this machine does not "
+                             "emulate; export the plan and run it there (or plan on "
+                             "local-hybrid)")
+        self.run_dir, self.steps = Path(run_dir), steps
+        path = self.run_dir / PLAN_NAME
+        plan.save(path)
+        config = TrainConfig(plan=str(path), run_dir=str(self.run_dir), steps=steps,
+                             profiles=study.profiles)
+        check_run(config)
+        threads = study.run_threads
+        command = torchrun_command(config.plan, plan.world_size,
+                                   runtime_args=runtime_argv(config, threads=threads)[2:])
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        self.predicted_step_ms = study.predict_run(plan).iteration_us / 1e3
+        self.records: list[dict[str, Any]] = []
+        self.cancelled = False
+        self._offset = 0
+        with open(self.run_dir / LOG_NAME, "w", encoding="utf-8") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The records written since the last call (also appended to :attr:`records`)."""
+        new, self._offset = read_new_metrics(self.run_dir / "metrics.jsonl", self._offset)
+        self.records += new
+        return new
+
+    def follow(self, on_change: Callable[["LocalRun"], None]) -> threading.Thread:
+        """Call ``on_change(self)`` from a background thread whenever records arrive, and
+        once more when the run has ended; returns the (started) thread."""
+        def loop() -> None:
+            while True:
+                try:
+                    ended = self.process.wait(POLL_S) is not None
+                except subprocess.TimeoutExpired:
+                    ended = False
+                if self.poll() or ended:
+                    on_change(self)
+                if ended:
+                    return
+
+        thread = threading.Thread(target=loop, name=f"qsync-run {self.run_dir.name}",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def cancel(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the run and every process it started (nothing to do once it ended)."""
+        if self.process.poll() is not None:
+            return
+        self.cancelled = True
+        _signal_group(self.process.pid, signal.SIGTERM)  # torchrun stops its workers
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        for pid in self._worker_pids():
+            _signal_group(pid, signal.SIGKILL)
+
+    def outcome(self) -> str:
+        """One line on the ended run: measured against predicted, or why it stopped."""
+        code = self.process.returncode
+        if self.cancelled:
+            return f"cancelled after {len(self.records)} of {self.steps} steps"
+        if code:
+            log = self.run_dir / LOG_NAME
+            return f"the run failed (torchrun exit {code}): {_rank_error(log)}; see {log}"
+        summary = json.loads((self.run_dir / "summary.json").read_text(encoding="utf-8"))
+        return (f"{self.steps} steps: step time measured {summary['measured_step_ms']:.2f} ms, "
+                f"predicted {summary['predicted_step_ms']:.2f} ms "
+                f"({summary['step_error_pct']:+.1f} %); test accuracy "
+                f"{summary['test_accuracy']:.3f}; wrote {self.run_dir / 'summary.json'}")
+
+    def _worker_pids(self) -> list[int]:
+        """The pids the ranks wrote to ``ranks/rank<N>.json``."""
+        return [json.loads(p.read_text(encoding="utf-8"))["pid"]
+                for p in sorted((self.run_dir / "ranks").glob("rank*.json"))]
+
+
+def _signal_group(leader: int, sig: int) -> None:
+    """Send ``sig`` to the process group that ``leader`` leads, if it still does."""
+    try:
+        if os.getpgid(leader) == leader:
+            os.killpg(leader, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,143 @@
+"""The tuner's re-plan, without widgets: a study and the control values in; the plan, its
+simulation and every figure out.
+
+Example::
+
+    >>> from qsync_lab import Study
+    >>> study = Study("digits_cnn", cluster="local-hybrid", progress=False)
+    >>> result = replan(study, TunerSettings(strategy="uniform-low", counts={"T4": 2}))
+    >>> result.plan.low_precision_ops(), result.sim.world_size
+    ({'V100-SXM2-32GB': 0, 'T4': 6}, 3)
+    >>> sorted(result.figures)
+    ['comparison', 'indicator', 'memory', 'precision_map', 'timeline']
+"""
+
+import copy
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import plotly.graph_objects as go
+
+from qsync_lab.cluster import Cluster
+from qsync_lab.errors import QSyncError
+from qsync_lab.plan import Plan
+from qsync_lab.viz import (plot_comparison, plot_indicator, plot_memory, plot_precision_map,
+                           plot_timeline)
+from qsync_lab.widgets.shape import reshape_cluster
+
+if TYPE_CHECKING:
+    from qsync_lab.simulate import SimResult
+    from qsync_lab.study import Study
+
+__all__ = ["FIGURES", "TunerResult", "TunerSettings", "replan", "study_on"]
+
+#: the figures of a result, in the tuner's tab order
+FIGURES = ("timeline", "memory", "indicator", "comparison", "precision_map")
+_TOP_OPS = 40  # the indicator figure's most sensitive ops
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    """What the tuner's controls say.
+
+    Attributes:
+        counts: device kind -> ranks (kinds left out keep the study cluster's count).
+        batch_sizes: device kind -> per-rank batch size (kinds left out keep theirs).
+        memory_gib: device kind -> per-rank memory budget (default: the device's memory).
+        throughput_samples_per_s: the least throughput (None: the fastest kind's fp32 pace).
+        strategy: a name of :data:`qsync_lab.allocate.STRATEGIES`.
+        compression: a gradient compression spec (``"global_qsgd:8"``), None for none.
+    """
+
+    counts: Mapping[str, int] = field(default_factory=dict)
+    batch_sizes: Mapping[str, int] = field(default_factory=dict)
+    memory_gib: Mapping[str, float] = field(default_factory=dict)
+    throughput_samples_per_s: float | None = None
+    strategy: str = "qsync"
+    compression: str | None = None
+
+
+@dataclass(frozen=True)
+class TunerResult:
+    """One re-plan.
+
+    Attributes:
+        study: the study on the settings' cluster (see :func:`study_on`).
+        settings: what it was planned under.
+        memory_gib: the settings' budgets of the cluster's device kinds (what was planned
+            under; a kind left out had its device's memory).
+        plan, sim: the plan and its simulated iteration.
+        figures: name (:data:`FIGURES`) -> figure; ``comparison`` is missing when
+            ``comparison_error`` says why.
+        comparison_error: why a strategy of the comparison failed ("" when none did).
+        seconds: wall time of the re-plan, figures included.
+    """
+
+    study: "Study"
+    settings: TunerSettings
+    memory_gib: Mapping[str, float]
+    plan: Plan
+    sim: "SimResult"
+    figures: Mapping[str, go.Figure]
+    comparison_error: str
+    seconds: float
+
+
+def replan(study: "Study", settings: TunerSettings, *,
+           variants: MutableMapping[str, "Study"] | None = None) -> TunerResult:
+    """Plan and simulate ``settings`` on ``study`` and draw every figure.
+
+    ``variants`` is a dict the caller keeps across calls: the study made for each cluster
+    composition is reused from it, with its warm allocator.
+
+    Raises:
+        QSyncError: the settings have no plan (the one-line reason, e.g. the best
+            reachable iteration time against the target's).
+    """
+    start = time.perf_counter()
+    cluster = reshape_cluster(study.cluster, counts=settings.counts,
+                              batch_sizes=settings.batch_sizes)
+    tuned = study_on(study, cluster, variants)
+    memory_gib = {k: v for k, v in settings.memory_gib.items() if k in cluster.device_kinds}
+    plan = tuned.plan(memory_limit=memory_gib,
+                      throughput_target=settings.throughput_samples_per_s,
+                      strategy=settings.strategy, compression=settings.compression)
+    sim = tuned.simulate(plan)
+    lowest = str(tuned.low_precisions[-1])
+    figures = {
+        "timeline": plot_timeline(sim),
+        "memory": plot_memory(sim, plan.cluster, memory_gib=memory_gib),
+        "indicator": plot_indicator(tuned.indicator(), lowest, top=_TOP_OPS,
+                                    title=f"indicator at {lowest}, most sensitive ops first"),
+        "precision_map": plot_precision_map(plan, tuned.graph),
+    }
+    try:
+        table = tuned.compare(memory_limit=memory_gib,
+                              throughput_target=settings.throughput_samples_per_s,
+                              compressions=[settings.compression] if settings.compression else ())
+        figures["comparison"], comparison_error = plot_comparison(table), ""
+    except QSyncError as err:
+        comparison_error = str(err).splitlines()[0]
+    return TunerResult(tuned, settings, memory_gib, plan, sim, figures, comparison_error,
+                       time.perf_counter() - start)
+
+
+def study_on(study: "Study", cluster: Cluster,
+             variants: MutableMapping[str, "Study"] | None = None) -> "Study":
+    """``study`` on ``cluster``: itself for its own cluster, else a copy sharing its model,
+    traced graph, costs and indicator cache (kept in ``variants`` by the cluster's
+    fingerprint when given)."""
+    if cluster is study.cluster:
+        return study
+    key = cluster.fingerprint()
+    if variants is not None and key in variants:
+        return variants[key]
+    study.prepared  # traced and prepared once, before the copy shares it
+    tuned = copy.copy(study)
+    tuned.cluster = cluster
+    if variants is not None:
+        variants[key] = tuned
+    return tuned
+

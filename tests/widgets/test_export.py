@@ -1,0 +1,43 @@
+import shlex
+
+import pytest
+
+from qsync_lab.cluster import load_cluster
+from qsync_lab.plan import Plan, RankPlan
+from qsync_lab.widgets import cluster_commands, reshape_cluster
+
+
+def test_export_writes_a_plan_that_loads_and_shows_the_clusters_command(tuner, study, tmp_path):
+    tuner.controls.strategy.value = "uniform-low"
+    tuner.export_folder.value = "plans/uniform"
+    tuner.export_button.click()
+    path = tmp_path / "plans" / "uniform" / "plan.json"
+    assert Plan.load(path, graph=study.graph) == tuner.result.plan
+    assert not list(path.parent.glob(".*.tmp"))
+    status = tuner.export_status.value
+    assert str(path) in status
+    command = shlex.split(status.split("<pre>")[1].split("</pre>")[0])
+    assert command[0] == "torchrun" and command[-2:] == ["--plan", str(path)]
+    assert {"--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=HOST:29400"} <= set(command)
+    assert command[command.index("-m") + 1] == "qsync_lab.runtime"
+
+
+@pytest.mark.parametrize("folder", ["../x", "a/../../x", "a/../b", "/tmp/elsewhere"])
+def test_export_refuses_a_folder_outside_its_root(tuner, tmp_path, folder):
+    tuner.export_folder.value = folder
+    tuner.export_button.click()
+    assert "is not inside" in tuner.export_status.value
+    assert "<pre>" not in tuner.export_status.value
+    assert not ((tmp_path / folder).resolve() / "plan.json").exists()
+
+
+def test_nodes_of_different_sizes_get_one_command_each():
+    cluster = reshape_cluster(load_cluster("qsync-paper"), counts={"T4": 3})
+    plan = Plan("abc", cluster.definition,
+                tuple(RankPlan(r.rank, r.device, r.batch_size) for r in cluster.ranks), {})
+    commands = cluster_commands("/abs/plan.json", plan, host="10.0.0.1")
+    assert [c.splitlines()[0] for c in commands] == ["# v100-0", "# v100-1", "# t4-0"]
+    assert [next(a for a in c.split() if a.startswith("--nproc")) for c in commands] \
+        == ["--nproc-per-node=8", "--nproc-per-node=8", "--nproc-per-node=3"]
+    assert all("--nnodes=3" in c and "--rdzv-endpoint=10.0.0.1:29400" in c for c in commands)

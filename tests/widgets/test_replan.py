@@ -1,0 +1,50 @@
+import pytest
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.widgets import TunerSettings, replan, summary_html
+
+from .conftest import simulated_bars, timeline_bars
+
+V100 = "V100-SXM2-32GB"
+
+
+def test_a_replan_is_the_studys_plan_and_simulation_drawn(study):
+    settings = TunerSettings(memory_gib={V100: 30.0, "T4": 8.0}, strategy="uniform-low",
+                             compression="global_qsgd:8")
+    result = replan(study, settings)
+    direct = study.plan(memory_limit={V100: 30.0, "T4": 8.0}, strategy="uniform-low",
+                        compression="global_qsgd:8")
+    sim = study.simulate(direct)
+    assert result.plan == direct and result.plan.low_precision_ops()["T4"] > 0
+    assert result.sim.iteration_us == pytest.approx(sim.iteration_us)
+    assert timeline_bars(result.figures["timeline"]) == simulated_bars(sim)
+    assert list(result.figures["memory"].data[-1].y) == [30.0, 8.0]
+    assert "qsync+global_qsgd:8" in result.figures["comparison"].data[0].x
+    assert f"{sim.iteration_us / 1e3:.3f} ms" in summary_html(result)
+
+
+def test_an_unreachable_target_says_the_best_reachable(study):
+    fastest = replan(study, TunerSettings()).sim.throughput_samples_per_s
+    with pytest.raises(QSyncError, match=r"best reachable [\d.]+ ms .*target [\d.]+ ms"):
+        replan(study, TunerSettings(throughput_samples_per_s=10 * fastest))
+
+
+def test_a_composition_is_made_once_and_shares_the_traced_graph(study):
+    variants = {}
+    first = replan(study, TunerSettings(counts={"T4": 2}), variants=variants)
+    again = replan(study, TunerSettings(counts={"T4": 2}, strategy="fp32"), variants=variants)
+    assert again.study is first.study is not study and len(variants) == 1
+    assert first.study.graph is study.graph and study.cluster.world_size == 2
+    assert first.sim.rank_devices == (V100, "T4", "T4")
+    assert replan(study, TunerSettings(counts={"T4": 1}), variants=variants).study is study
+
+
+def test_a_failed_comparison_leaves_its_figure_out_and_says_why(study, monkeypatch):
+    def fails(**_):
+        raise QSyncError("no batch split meets the constraints\nsecond line")
+
+    monkeypatch.setattr(study, "compare", fails)
+    result = replan(study, TunerSettings())
+    assert "comparison" not in result.figures
+    assert result.comparison_error == "no batch split meets the constraints"
+    assert "comparison: no batch split" in summary_html(result)
