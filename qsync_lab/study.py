@@ -2,9 +2,10 @@
 
 A study traces the model (with its loss) into an :class:`~qsync_lab.graph.OpGraph`, scores
 its ops with the sensitivity indicator, allocates plans, simulates them and runs them on
-local DDP ranks, caching the graph, the prepared graph, the cost model and the indicator
-so that a notebook can re-plan and re-simulate cheaply. It wires the same functions the
-command line uses; nothing here decides anything they do not.
+local DDP ranks, caching the graph, the prepared graph, the cost model, the indicator and
+the qsync :class:`~qsync_lab.allocate.Allocator` so that a notebook can re-plan and
+re-simulate cheaply (``benchmarks/replan.py`` times a slider's re-plans). It wires the
+same functions the command line uses; nothing here decides anything they do not.
 
 Example::
 
@@ -96,6 +97,7 @@ class Study:
         self.progress = progress
         self.run_threads: int | None = None  # per rank: what the profile measured with
         self._indicators: dict[tuple, pd.DataFrame] = {}
+        self._kept_allocator = None
 
     def __repr__(self) -> str:
         return (f"Study({self.name!r} on {self.cluster.name!r}: {self.cluster.world_size} "
@@ -158,19 +160,26 @@ class Study:
         if strategy not in STRATEGIES:
             raise QSyncError(f"unknown strategy {strategy!r}; choose one of: "
                              f"{', '.join(STRATEGIES)}")
-        plan = STRATEGIES[strategy](self.prepared, self.cluster, self.costs, self.indicator(),
-                                    self._constraints(memory_limit, throughput_target),
-                                    optimizer=self.optimizer, compression=compression)
+        constraints = self._constraints(memory_limit, throughput_target)
+        if strategy == "qsync":
+            plan = self._allocator(compression).allocate(constraints).plan
+        else:
+            plan = STRATEGIES[strategy](self.prepared, self.cluster, self.costs,
+                                        self.indicator(), constraints,
+                                        optimizer=self.optimizer, compression=compression)
         return plan.for_model(self.zoo_name, self.model_kwargs) if self.zoo_name else plan
 
     def simulate(self, plan: Plan | None = None):
-        """The simulated iteration of ``plan`` (default: all fp32) on the study's cluster."""
+        """The simulated iteration of ``plan`` (default: all fp32) on the study's cluster
+        (a plan just allocated is simulated from the allocator's memo)."""
         from qsync_lab.simulate import simulate
 
         if plan is None:
             return simulate(self.prepared, {}, self.cluster, self.costs,
                             optimizer=self.optimizer)
-        return simulate(self.prepared, plan, self.cluster, self.costs)
+        kept = self._kept()
+        return (kept.simulate(plan) if kept is not None
+                else simulate(self.prepared, plan, self.cluster, self.costs))
 
     def compare(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
                 throughput_target: float | None = None,
@@ -239,6 +248,28 @@ class Study:
         threads = self.run_threads
         env = {"OMP_NUM_THREADS": str(threads)} if threads else None
         return launch(config, threads=threads, env=env, verbose=verbose, progress=self.progress)
+
+    def _allocator(self, compression):
+        """The qsync :class:`~qsync_lab.allocate.Allocator` of the study's current inputs,
+        kept while they stay the same: a re-plan under new constraints reuses it."""
+        from qsync_lab.allocate import Allocator
+
+        kept, indicator = self._kept(), self.indicator()
+        if kept is None or kept.indicator is not indicator or (
+                kept.optimizer, kept.compression) != (self.optimizer, compression):
+            kept = self._kept_allocator = Allocator(
+                self.prepared, self.cluster, self.costs, indicator, optimizer=self.optimizer,
+                compression=compression)
+        return kept
+
+    def _kept(self):
+        """The kept allocator while the study's graph, cluster and costs are still its own."""
+        kept = self._kept_allocator
+        if kept is None or any(a is not b for a, b in zip(
+                (kept.prepared, kept.cluster, kept.costs),
+                (self.prepared, self.cluster, self.costs))):
+            return None
+        return kept
 
     def _constraints(self, memory_limit, throughput_target):
         from qsync_lab.allocate import Constraints

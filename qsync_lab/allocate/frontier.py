@@ -31,9 +31,11 @@ from qsync_lab.allocate.chain import ChainCosts
 from qsync_lab.allocate.choices import OpChoices
 from qsync_lab.precision import Precision
 
-__all__ = ["RiskFrontier", "risk_frontier"]
+__all__ = ["RESOURCES", "RiskFrontier", "risk_frontier", "risk_frontiers"]
 
 BUCKETS = 2000
+#: what a frontier trades risk against
+RESOURCES = ("time", "memory")
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +71,7 @@ class RiskFrontier:
 def risk_frontier(chain: ChainCosts, choices: OpChoices, *, resource: str = "time",
                   buckets: int = BUCKETS) -> RiskFrontier:
     """The frontier of ``choices`` on ``chain`` in ``resource`` ("time" or "memory")."""
-    if resource not in ("time", "memory"):
+    if resource not in RESOURCES:
         raise ValueError(f"resource must be 'time' or 'memory', got {resource!r}")
     precisions = chain.precisions
     n, width = len(choices.ops), len(precisions)
@@ -103,3 +105,8 @@ def risk_frontier(chain: ChainCosts, choices: OpChoices, *, resource: str = "tim
     points = np.flatnonzero(np.isfinite(least) & (least < np.r_[np.inf, least[:-1]]))
     return RiskFrontier(points * unit, least[points], precisions, steps, back,
                         best.argmin(axis=0), points)
+
+
+def risk_frontiers(chain: ChainCosts, choices: OpChoices) -> tuple[RiskFrontier, ...]:
+    """The frontiers of ``choices`` on ``chain`` in each of :data:`RESOURCES`."""
+    return tuple(risk_frontier(chain, choices, resource=resource) for resource in RESOURCES)

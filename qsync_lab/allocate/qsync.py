@@ -34,8 +34,16 @@ Example::
     >>> plan = allocate(graph, load_cluster("v100-t4-small"), CostModel(), scores)
     >>> plan.strategy, plan.precisions["V100-SXM2-32GB"] == {}
     ('qsync', True)
+
+Re-planning one model under other constraints (a slider) keeps an :class:`Allocator`::
+
+    >>> allocator = Allocator(graph, load_cluster("v100-t4-small"), CostModel(), scores)
+    >>> fast = allocator.allocate(Constraints(throughput_samples_per_s=2000.0))
+    >>> allocator.allocate().plan == plan
+    True
 """
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,19 +53,22 @@ import pandas as pd
 from qsync_lab.allocate.chain import ChainCosts, chain_costs
 from qsync_lab.allocate.choices import OpChoices, op_choices
 from qsync_lab.allocate.constraints import Constraints
-from qsync_lab.optimizers import DEFAULT_OPTIMIZER
-from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.fastest import fastest_feasible_plan
+from qsync_lab.allocate.frontier import RiskFrontier, risk_frontiers
 from qsync_lab.allocate.recover import TIME_RTOL, RecoveryStats, recover_plans
 from qsync_lab.cluster import Cluster
+from qsync_lab.compress.spec import CompressionSettings
 from qsync_lab.costs import CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.plan import Plan
+from qsync_lab.policy import validate_plan
 from qsync_lab.precision import Precision
-from qsync_lab.simulate import PreparedGraph, prepare_graph
+from qsync_lab.simulate import (PlanEvaluator, PreparedGraph, SimResult, prepare_graph, render,
+                                simulate)
 
-__all__ = ["Allocation", "allocate", "allocate_detailed", "kinds_to_allocate",
+__all__ = ["Allocation", "Allocator", "allocate", "allocate_detailed", "kinds_to_allocate",
            "prepared_graph", "target_iteration_us"]
 
 _US_PER_S = 1e6
@@ -72,7 +83,8 @@ class Allocation:
         iteration_us: its predicted iteration time.
         target_us: the largest iteration time the recovery allowed (the constraint's, or
             the fastest feasible plan's when the default pace is out of reach).
-        seconds: wall time of the allocation (preparing the graph excluded).
+        seconds: wall time of the allocation (preparing the graph excluded, and on a
+            re-plan what its :class:`Allocator` derived before).
         stats: the recovery's frontier plans tried, greedy trials, accepted moves and
             re-keyings.
         risk: per allocated device kind, the plan's summed indicator.
@@ -135,45 +147,99 @@ def allocate_detailed(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs:
                       optimizer: str = DEFAULT_OPTIMIZER, compression=None,
                       strategy: str = "qsync") -> Allocation:
     """:func:`allocate` with the predicted iteration time, run time and greedy statistics."""
-    prepared = prepared_graph(graph)
-    constraints = constraints or Constraints()
-    start = time.perf_counter()
-    evaluator = PlanEvaluator(prepared, cluster, costs, optimizer=optimizer,
-                              compression=compression)
-    budgets = {kind: constraints.memory_budget_bytes(cluster, kind)
-               for kind in cluster.device_kinds}
-    target_us = target_iteration_us(evaluator, constraints)
-    choices: dict[str, OpChoices] = {}
-    chains: dict[str, ChainCosts] = {}
-    plans: dict[str, list[Precision]] = {}
-    for kind in kinds_to_allocate(evaluator, target_us, budgets):
-        device = evaluator.devices[kind]
-        choices[kind] = op_choices(prepared.work, indicator, device)
-        batch = max(b for name, b in evaluator.classes if name == kind)
-        chains[kind] = chain_costs(prepared.work, choices[kind].ops, device, costs,
-                                   batch_size=batch)
-        first = fastest_feasible_plan(evaluator, kind, choices[kind], chains[kind],
-                                      budget_bytes=budgets[kind])
-        evaluator.accept(evaluator.propose_plan(kind, first))
-        plans[kind] = [first[op] for op in choices[kind].ops]
-    if constraints.throughput_samples_per_s is None:
-        target_us = max(target_us, evaluator.iteration_us)
-    elif evaluator.iteration_us > target_us * (1 + TIME_RTOL):
-        raise QSyncError(
-            f"no plan reaches the throughput target: best reachable "
-            f"{evaluator.iteration_us / 1e3:.3f} ms per iteration "
-            f"({cluster.global_batch_size * _US_PER_S / evaluator.iteration_us:.1f} samples/s), "
-            f"target {target_us / 1e3:.3f} ms "
-            f"({cluster.global_batch_size * _US_PER_S / target_us:.1f} samples/s); "
-            "lower the throughput constraint or raise the memory budget")
-    stats = recover_plans(evaluator, choices, chains, plans, target_us=target_us,
-                          budgets_bytes=budgets)
-    seconds = time.perf_counter() - start
-    names = prepared.work.names
-    precisions = {kind: {names[op]: p for op, p in zip(choices[kind].ops, plans[kind])}
-                  for kind in choices}
-    plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy,
-                      optimizer=optimizer, compression=compression)
-    risk = {kind: choices[kind].risk(dict(zip(choices[kind].ops, plans[kind])))
-            for kind in choices}
-    return Allocation(plan, evaluator.iteration_us, target_us, seconds, stats, risk)
+    return Allocator(graph, cluster, costs, indicator, optimizer=optimizer,
+                     compression=compression).allocate(constraints, strategy=strategy)
+
+
+class Allocator:
+    """QSync's allocator for one model, cluster, cost model and indicator, kept for re-planning.
+
+    What does not depend on the constraints is derived once: the evaluator of the all-fp32
+    plan, with the memo of every plan it evaluates, and per device kind the candidates,
+    their chain estimates and frontiers. Each :meth:`allocate` searches from a fork of that
+    evaluator, so a re-plan under new constraints (a widget's slider) repeats only the
+    search, and each plan it proposes again is a memo hit. The result equals a cold
+    :func:`allocate_detailed` with the same arguments.
+    """
+
+    def __init__(self, graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
+                 indicator: pd.DataFrame, *, optimizer: str = DEFAULT_OPTIMIZER,
+                 compression=None) -> None:
+        self.prepared = prepared_graph(graph)
+        self.cluster, self.costs, self.indicator = cluster, costs, indicator
+        self.optimizer, self.compression = optimizer, compression
+        self._candidates: dict[str, tuple[OpChoices, ChainCosts, tuple[RiskFrontier, ...]]] = {}
+
+    def simulate(self, plan: Plan) -> SimResult:
+        """:func:`~qsync_lab.simulate.simulate` of ``plan`` on the allocator's cluster: from
+        a fork of its evaluator (each kind's plan a memo hit once allocated) when the plan
+        has the cluster's batch sizes, the optimizer and the compression, else a fresh
+        simulation."""
+        cluster = plan.apply_to(self.cluster)
+        if (cluster.ranks != self.cluster.ranks or plan.optimizer != self.optimizer
+                or plan.compression_settings != CompressionSettings.parse(self.compression)):
+            return simulate(self.prepared, plan, self.cluster, self.costs)
+        evaluator = self.evaluator.fork()
+        for kind, ops in validate_plan(plan.precisions, self.prepared.work, cluster.device_kinds,
+                                       cluster.catalog).items():
+            evaluator.accept(evaluator.propose_plan(kind, ops))
+        return render(evaluator)
+
+    @functools.cached_property
+    def evaluator(self) -> PlanEvaluator:
+        """The all-fp32 evaluator each allocation forks."""
+        return PlanEvaluator(self.prepared, self.cluster, self.costs, optimizer=self.optimizer,
+                             compression=self.compression)
+
+    def candidates(self, kind: str) -> tuple[OpChoices, ChainCosts, tuple[RiskFrontier, ...]]:
+        """``kind``'s candidates, their chain estimates and frontiers (derived once)."""
+        if kind not in self._candidates:
+            device, work = self.evaluator.devices[kind], self.prepared.work
+            choices = op_choices(work, self.indicator, device)
+            batch = max(b for name, b in self.evaluator.classes if name == kind)
+            chain = chain_costs(work, choices.ops, device, self.costs, batch_size=batch)
+            self._candidates[kind] = choices, chain, risk_frontiers(chain, choices)
+        return self._candidates[kind]
+
+    def allocate(self, constraints: Constraints | None = None, *,
+                 strategy: str = "qsync") -> Allocation:
+        """The allocation under ``constraints`` (see :func:`allocate` for the errors);
+        ``strategy`` names it in the plan."""
+        constraints = constraints or Constraints()
+        cluster, prepared = self.cluster, self.prepared
+        start = time.perf_counter()
+        evaluator = self.evaluator.fork()
+        budgets = {kind: constraints.memory_budget_bytes(cluster, kind)
+                   for kind in cluster.device_kinds}
+        target_us = target_iteration_us(evaluator, constraints)
+        choices: dict[str, OpChoices] = {}
+        chains: dict[str, ChainCosts] = {}
+        frontiers: dict[str, tuple[RiskFrontier, ...]] = {}
+        plans: dict[str, list[Precision]] = {}
+        for kind in kinds_to_allocate(evaluator, target_us, budgets):
+            choices[kind], chains[kind], frontiers[kind] = self.candidates(kind)
+            first = fastest_feasible_plan(evaluator, kind, choices[kind], chains[kind],
+                                          budget_bytes=budgets[kind])
+            evaluator.accept(evaluator.propose_plan(kind, first))
+            plans[kind] = [first[op] for op in choices[kind].ops]
+        if constraints.throughput_samples_per_s is None:
+            target_us = max(target_us, evaluator.iteration_us)
+        elif evaluator.iteration_us > target_us * (1 + TIME_RTOL):
+            raise QSyncError(
+                f"no plan reaches the throughput target: best reachable "
+                f"{evaluator.iteration_us / 1e3:.3f} ms per iteration "
+                f"({cluster.global_batch_size * _US_PER_S / evaluator.iteration_us:.1f} "
+                f"samples/s), target {target_us / 1e3:.3f} ms "
+                f"({cluster.global_batch_size * _US_PER_S / target_us:.1f} samples/s); "
+                "lower the throughput constraint or raise the memory budget")
+        stats = recover_plans(evaluator, choices, chains, plans, target_us=target_us,
+                              budgets_bytes=budgets, frontiers=frontiers)
+        seconds = time.perf_counter() - start
+        names = prepared.work.names
+        precisions = {kind: {names[op]: p for op, p in zip(choices[kind].ops, plans[kind])}
+                      for kind in choices}
+        plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy,
+                          optimizer=self.optimizer, compression=self.compression)
+        risk = {kind: choices[kind].risk(dict(zip(choices[kind].ops, plans[kind])))
+                for kind in choices}
+        return Allocation(plan, evaluator.iteration_us, target_us, seconds, stats, risk)

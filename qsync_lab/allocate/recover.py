@@ -46,7 +46,7 @@ import numpy as np
 
 from qsync_lab.allocate.chain import ChainCosts
 from qsync_lab.allocate.choices import OpChoices
-from qsync_lab.allocate.frontier import risk_frontier
+from qsync_lab.allocate.frontier import RiskFrontier, risk_frontiers
 from qsync_lab.allocate.prune import prune_plans
 from qsync_lab.precision import Precision
 
@@ -73,7 +73,9 @@ class RecoveryStats:
 
 def recover_plans(evaluator, choices: Mapping[str, OpChoices],
                   chains: Mapping[str, ChainCosts], plans: Mapping[str, list[Precision]], *,
-                  target_us: float, budgets_bytes: Mapping[str, float]) -> RecoveryStats:
+                  target_us: float, budgets_bytes: Mapping[str, float],
+                  frontiers: Mapping[str, Sequence[RiskFrontier]] | None = None
+                  ) -> RecoveryStats:
     """Recover in place (see the module docstring); the evaluator ends holding the result.
 
     Args:
@@ -83,11 +85,15 @@ def recover_plans(evaluator, choices: Mapping[str, OpChoices],
         plans: device kind -> per candidate its current precision; updated in place.
         target_us: the largest iteration time allowed.
         budgets_bytes: device kind -> per-rank memory budget.
+        frontiers: device kind -> :func:`~qsync_lab.allocate.risk_frontiers` of its
+            candidates (default: derived here from the chain estimates).
     """
     start = {kind: list(plans[kind]) for kind in choices}
     probes = 0
     for kind in choices:
-        plans[kind][:], count = frontier_start(evaluator, kind, choices[kind], chains[kind],
+        kind_frontiers = (frontiers[kind] if frontiers is not None
+                          else risk_frontiers(chains[kind], choices[kind]))
+        plans[kind][:], count = frontier_start(evaluator, kind, choices[kind], kind_frontiers,
                                                plans[kind], target_us=target_us,
                                                budget_bytes=budgets_bytes[kind])
         probes += count
@@ -112,16 +118,15 @@ def recover_plans(evaluator, choices: Mapping[str, OpChoices],
     return RecoveryStats(probes, trials, accepted, rekeyed, pruned)
 
 
-def frontier_start(evaluator, kind: str, choices: OpChoices, chain: ChainCosts,
-                   plan: Sequence[Precision], *, target_us: float,
-                   budget_bytes: float) -> tuple[list[Precision], int]:
-    """The least-risk plan within the limits found on ``kind``'s frontiers in time and in
-    memory (:func:`~qsync_lab.allocate.risk_frontier`), each bisected over its plans of
-    less risk than ``plan`` (which is within the limits); ``plan`` if none is. The
-    evaluator ends holding it. Returns the plan and the number of plans evaluated."""
+def frontier_start(evaluator, kind: str, choices: OpChoices,
+                   frontiers: Sequence[RiskFrontier], plan: Sequence[Precision], *,
+                   target_us: float, budget_bytes: float) -> tuple[list[Precision], int]:
+    """The least-risk plan within the limits found on ``kind``'s ``frontiers`` (in time
+    and in memory: :func:`~qsync_lab.allocate.risk_frontiers`), each bisected over its
+    plans of less risk than ``plan`` (which is within the limits); ``plan`` if none is.
+    The evaluator ends holding it. Returns the plan and the number of plans evaluated."""
     best, kept, probes = list(plan), None, 0
-    for resource in ("time", "memory"):
-        frontier = risk_frontier(chain, choices, resource=resource)
+    for frontier in frontiers:
         points = np.flatnonzero(frontier.risk < choices.risk(dict(zip(choices.ops, best))))
         low, high = -1, len(points)
         while high - low > 1:

@@ -44,6 +44,7 @@ Example::
 """
 
 import difflib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,6 +114,15 @@ class OpWork:
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @functools.cached_property
+    def consumers(self) -> tuple[tuple[int, ...], ...]:
+        """Indices of the ops that read each op (the data edges the other way)."""
+        readers: list[list[int]] = [[] for _ in self.names]
+        for i, producers in enumerate(self.producers):
+            for j in producers:
+                readers[j].append(i)
+        return tuple(tuple(r) for r in readers)
 
     def index_of(self, fqn: str) -> int:
         """Position of op ``fqn``; QSyncError naming close matches if unknown."""

@@ -14,6 +14,7 @@ Example::
     2         linear        264      2
 """
 
+import functools
 import hashlib
 import keyword
 import warnings
@@ -109,9 +110,13 @@ class OpGraph:
         Activation shapes are left out on purpose: the same model traced at another batch
         size (every rank of an uneven plan has its own) has the same fingerprint.
         """
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
         h = hashlib.sha256()
-        for name, row in self.ops.iterrows():
-            h.update(f"{name}|{row['kind']}|{row['weight_shapes']}\n".encode())
+        for name, kind, shapes in zip(self.ops.index, self.ops["kind"], self.ops["weight_shapes"]):
+            h.update(f"{name}|{kind}|{shapes}\n".encode())
         return h.hexdigest()[:16]
 
 

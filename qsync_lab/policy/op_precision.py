@@ -17,6 +17,7 @@ Example::
     'stochastic'
 """
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -87,6 +88,9 @@ class OpPrecision:
                     f"{option}={getattr(self, option)!r} applies to int8 operators only, "
                     f"not {self.forward}; use {option}={default!r} or forward int8"
                 )
+        # how it computes, kept for __eq__ and __hash__ (configs key memos of plans)
+        object.__setattr__(self, "_computes", (self.forward, self.backward_precision,
+                                               self.rounding, self.granularity))
 
     @classmethod
     def parse(cls, spec: "str | Precision | OpPrecision | Mapping[str, str]") -> "OpPrecision":
@@ -111,7 +115,7 @@ class OpPrecision:
                 spec.get("granularity", "tensor"),
             )
         if isinstance(spec, str):
-            return cls(Precision.parse(spec))
+            return _plain(Precision.parse(spec))
         raise QSyncError(
             f"op precision must be a precision name, Precision, OpPrecision or mapping, "
             f"got {type(spec).__name__}"
@@ -122,14 +126,11 @@ class OpPrecision:
         """The backward precision, with the forward's default filled in."""
         return DEFAULT_BACKWARD[self.forward] if self.backward is None else self.backward
 
-    def _key(self) -> tuple:
-        return self.forward, self.backward_precision, self.rounding, self.granularity
-
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, OpPrecision) and self._key() == other._key()
+        return isinstance(other, OpPrecision) and self._computes == other._computes
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._computes)
 
     @property
     def is_fp32(self) -> bool:
@@ -147,3 +148,10 @@ class OpPrecision:
 
     def __str__(self) -> str:
         return f"{self.forward}/{self.backward_precision} {self.rounding} {self.granularity}"
+
+
+@functools.cache
+def _plain(precision: Precision) -> OpPrecision:
+    """The config of plain ``precision``, one shared instance per precision (equal configs
+    that are the same object compare at once in the allocator's memo keys)."""
+    return OpPrecision(precision)

@@ -39,8 +39,8 @@ from qsync_lab.policy.kinds import PLANNABLE_KINDS, check_op_precision
 from qsync_lab.policy.op_precision import DEFAULT_BACKWARD, OpPrecision
 from qsync_lab.precision import Precision
 
-__all__ = ["ROUNDED_OUTPUTS", "KindPlan", "PrecisionAssignment", "output_precision", "resolve_precisions",
-           "storage_precision", "validate_plan"]
+__all__ = ["ROUNDED_OUTPUTS", "KindPlan", "PrecisionAssignment", "output_precision", "re_resolve",
+           "resolve_precisions", "storage_precision", "validate_plan"]
 
 _FP32_KINDS = frozenset({"softmax", "loss", "add"})
 _FP32_ACTIVATIONS = ("gelu",)
@@ -124,16 +124,7 @@ def resolve_precisions(work, planned: KindPlan, device) -> PrecisionAssignment:
     output: list[Precision] = []
     float_output = work.float_output.tolist()
     for i, kind in enumerate(work.kinds):
-        if i in by_index:
-            p = by_index[i].forward
-        elif kind == "view":
-            first = work.producers[i][0] if work.producers[i] else None
-            p = output[first] if first is not None else Precision.FP32
-        elif kind in PLANNABLE_KINDS or kind in _FP32_KINDS or _is_fp32_activation(work, i):
-            p = Precision.FP32
-        else:
-            float_outs = {output[j] for j in work.producers[i] if float_output[j]}
-            p = float_outs.pop() if len(float_outs) == 1 else Precision.FP32
+        p = _forward_precision(work, i, by_index, output, float_output)
         precision.append(p)
         output.append(p if kind == "view" else output_precision(p))
     backward = tuple(by_index[i].backward_precision if i in by_index else DEFAULT_BACKWARD[p]
@@ -142,8 +133,58 @@ def resolve_precisions(work, planned: KindPlan, device) -> PrecisionAssignment:
                                MappingProxyType(by_index))
 
 
+def re_resolve(work, base: PrecisionAssignment, changes: Mapping[int, "OpPrecision | None"],
+               device) -> tuple[PrecisionAssignment, set[int]]:
+    """:func:`resolve_precisions` of ``base``'s plan with ``changes`` (op index -> config,
+    checked here; None: the op leaves the plan): only the changed ops and those that
+    follow them are resolved again.
+
+    Returns:
+        the assignment, and the ops whose precisions, or whose producers' outputs, differ
+        from ``base``'s.
+    """
+    by_index = dict(base.planned)
+    for op in changes:
+        by_index.pop(op, None)
+    by_index.update(_checked_kind_plan(
+        work, {op: cfg for op, cfg in changes.items() if cfg is not None}, device))
+    precision, output, backward = list(base.precision), list(base.output), list(base.backward)
+    float_output = work.float_output.tolist()
+    dirty, touched = set(changes), set()
+    for i in range(min(dirty, default=len(work)), len(work)):
+        if i not in dirty:
+            continue
+        p = _forward_precision(work, i, by_index, output, float_output)
+        q = by_index[i].backward_precision if i in by_index else DEFAULT_BACKWARD[p]
+        if (p, q) != (precision[i], backward[i]):
+            precision[i], backward[i] = p, q
+            touched.add(i)
+        out = p if work.kinds[i] == "view" else output_precision(p)
+        if out is not output[i]:
+            output[i] = out
+            dirty.update(work.consumers[i])
+            touched.update(work.consumers[i])
+    return PrecisionAssignment(tuple(precision), tuple(output), tuple(backward),
+                               MappingProxyType(by_index)), touched
+
+
+def _forward_precision(work, i: int, by_index: Mapping[int, OpPrecision],
+                       output: list[Precision], float_output: list[bool]) -> Precision:
+    """What op ``i`` computes in, given the outputs of the ops before it."""
+    if i in by_index:
+        return by_index[i].forward
+    kind, producers = work.kinds[i], work.producers[i]
+    if kind == "view":
+        return output[producers[0]] if producers else Precision.FP32
+    if kind in PLANNABLE_KINDS or kind in _FP32_KINDS or _is_fp32_activation(work, i):
+        return Precision.FP32
+    float_outs = {output[j] for j in producers if float_output[j]}
+    return float_outs.pop() if len(float_outs) == 1 else Precision.FP32
+
+
 def _checked_kind_plan(work, ops: KindPlan, device) -> dict[int, OpPrecision]:
     checked: dict[int, OpPrecision] = {}
+    allowed: set[tuple[str, OpPrecision]] = set()  # each (op kind, config) checked once
     for key, spec in ops.items():
         try:
             index = key if isinstance(key, int) else work.index_of(key)
@@ -153,7 +194,11 @@ def _checked_kind_plan(work, ops: KindPlan, device) -> dict[int, OpPrecision]:
         try:
             if work.plan_refusals[index]:
                 raise QSyncError(work.plan_refusals[index])
-            checked[index] = check_op_precision(work.kinds[index], spec, device)
+            pair = (work.kinds[index], OpPrecision.parse(spec))
+            if pair not in allowed:
+                check_op_precision(*pair, device)
+                allowed.add(pair)
+            checked[index] = pair[1]
         except QSyncError as err:
             raise QSyncError(f"plan for {device.name}: op {fqn!r}: {err}") from None
     return checked

@@ -63,12 +63,14 @@ from qsync_lab.optimizers import optimizer_state_count
 from qsync_lab.precision import Precision
 from qsync_lab.policy import PrecisionAssignment, storage_precision
 
-__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "memory_breakdown", "saved_bits"]
+__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "MemoryModel", "memory_breakdown", "saved_bits"]
 
 MEMORY_COMPONENTS = ("master_weights", "low_precision_weights", "gradients", "ddp_buckets",
                      "optimizer_state", "activations", "workspace")
 #: op kinds whose runtime versions save their operands (and copy their weight) encoded
 ENCODED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"})
+_STORAGE = {p: storage_precision(p) for p in Precision}
+_STORED_BITS = {p: storage.bits for p, storage in _STORAGE.items()}
 
 
 def saved_bits(kind: str, precision: Precision) -> int:
@@ -94,27 +96,58 @@ def memory_breakdown(work: OpWork, params: pd.DataFrame, assignment: PrecisionAs
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``.
         bucket_bytes: total size of DDP's gradient buckets.
     """
-    scale = batch_scales(work, batch_size)
-    stored_bits = np.array([saved_bits(k, p) for k, p in zip(work.kinds, assignment.precision)],
-                           float)
-    backward_ratio = bits_ratio([storage_precision(q) for q in assignment.backward])
-    saved = work.saved_bytes * scale * stored_bits / 32
-    copies = np.where(stored_bits < 32, work.weight_numel * stored_bits / 8, 0.0)
-    transient = (work.out_bytes + work.act_read_bytes) * scale * backward_ratio
-    held_activations = np.cumsum(saved)  # while op i's backward runs: ops 0..i
-    held_copies = np.cumsum(copies)
-    held_gradients = np.cumsum(_gradient_bytes_by_first_reader(work, params)[::-1])[::-1]
-    gradients = float(params.loc[params["requires_grad"], "bytes"].sum())
-    peak_at = int(np.argmax(held_activations + held_copies + held_gradients + transient))
-    return {
-        "master_weights": float(params["bytes"].sum()),
-        "low_precision_weights": float(held_copies[peak_at]),
-        "gradients": float(held_gradients[peak_at]),
-        "ddp_buckets": float(bucket_bytes),
-        "optimizer_state": optimizer_state_count(optimizer) * gradients,
-        "activations": float(held_activations[peak_at]),
-        "workspace": float(transient[peak_at]),
-    }
+    return MemoryModel(work, params, optimizer=optimizer,
+                       bucket_bytes=bucket_bytes).breakdown(assignment, batch_size=batch_size)
+
+
+class MemoryModel:
+    """:func:`memory_breakdown` of one graph for many assignments: what no plan changes
+    (the parameters, the gradients held per op, the buckets, the optimizer state) is
+    derived once."""
+
+    def __init__(self, work: OpWork, params: pd.DataFrame, *, optimizer: str,
+                 bucket_bytes: float) -> None:
+        self.work = work
+        self._encoded = np.array([kind in ENCODED_KINDS for kind in work.kinds], bool)
+        self._held_gradients = np.cumsum(_gradient_bytes_by_first_reader(work, params)[::-1])[::-1]
+        gradients = float(params.loc[params["requires_grad"], "bytes"].sum())
+        self._master_bytes = float(params["bytes"].sum())
+        self._bucket_bytes = float(bucket_bytes)
+        self._optimizer_bytes = optimizer_state_count(optimizer) * gradients
+        self._batched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def breakdown(self, assignment: PrecisionAssignment, *, batch_size: int) -> dict[str, float]:
+        """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank."""
+        work = self.work
+        saved_fp32, transient_fp32 = self._at_batch(batch_size)
+        stored_bits = np.where(self._encoded, [_STORED_BITS[p] for p in assignment.precision],
+                               32.0)
+        backward_ratio = bits_ratio([_STORAGE[q] for q in assignment.backward])
+        saved = saved_fp32 * stored_bits / 32
+        copies = np.where(stored_bits < 32, work.weight_numel * stored_bits / 8, 0.0)
+        transient = transient_fp32 * backward_ratio
+        held_activations = np.cumsum(saved)  # while op i's backward runs: ops 0..i
+        held_copies = np.cumsum(copies)
+        held_gradients = self._held_gradients
+        peak_at = int(np.argmax(held_activations + held_copies + held_gradients + transient))
+        return {
+            "master_weights": self._master_bytes,
+            "low_precision_weights": float(held_copies[peak_at]),
+            "gradients": float(held_gradients[peak_at]),
+            "ddp_buckets": self._bucket_bytes,
+            "optimizer_state": self._optimizer_bytes,
+            "activations": float(held_activations[peak_at]),
+            "workspace": float(transient[peak_at]),
+        }
+
+    def _at_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per op at ``batch_size`` in fp32: the bytes it saves, and its output gradient and
+        input gradient together."""
+        if batch_size not in self._batched:
+            work, scale = self.work, batch_scales(self.work, batch_size)
+            self._batched[batch_size] = (work.saved_bytes * scale,
+                                         (work.out_bytes + work.act_read_bytes) * scale)
+        return self._batched[batch_size]
 
 
 def _gradient_bytes_by_first_reader(work: OpWork, params: pd.DataFrame) -> np.ndarray:

@@ -39,10 +39,22 @@ Example::
     ...                         CostModel(), t4, batch_size=2)
     >>> [op for op, cat in zip(line.events.op, line.events.category) if cat == "cast"]
     ['cast:1:fp32->fp16', 'cast:1:weight:fp32->fp16', 'cast:1:grad:fp16->fp32', 'cast:1:weight_grad:fp16->fp32']
+
+An op's events depend only on its own precisions and those its inputs arrive in, so a
+:class:`TimelineBuilder` that builds many timelines of one rank class (the allocator's
+trials) derives each op's events once per such context and reuses them; the events are
+named only when first read::
+
+    >>> builder = TimelineBuilder(work, CostModel(), t4, batch_size=2)
+    >>> again = builder.timeline(resolve_precisions(work, {"1": "fp16"}, t4))
+    >>> again.dur_us.tolist() == line.dur_us.tolist()
+    True
 """
 
+import functools
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,9 +65,26 @@ from qsync_lab.simulate.events import StreamEvents
 from qsync_lab.policy import PrecisionAssignment, storage_precision
 from qsync_lab.simulate.sync import DdpWork, copy_time_us
 
-__all__ = ["ComputeTimeline", "compute_timeline"]
+__all__ = ["ComputeTimeline", "TimelineBuilder", "compute_timeline"]
 
 _FP32_BYTES = 4
+
+
+class _Segment:
+    """Consecutive events: rows ``[op, fqn, category, phase, precision, plan, bytes,
+    source]`` with their durations, and the buckets packed by its events (per bucket, its
+    pack's position in the segment)."""
+
+    __slots__ = ("rows", "dur_us", "packs")
+
+    def __init__(self) -> None:
+        self.rows: list[list] = []
+        self.dur_us: list[float] = []
+        self.packs: list[tuple[int, int]] = []
+
+    def add(self, op, fqn, category, phase, precision, plan, dur_us, nbytes, source) -> None:
+        self.rows.append([op, fqn, category, phase, precision, plan, nbytes, source])
+        self.dur_us.append(dur_us)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,59 +92,31 @@ class ComputeTimeline:
     """The compute stream of one (device kind, batch size, plan) class of ranks.
 
     Attributes:
-        events: the events, back to back from 0.
+        dur_us: per event, its duration (the events run back to back from 0).
         bucket_ready_us: per DDP bucket, when it is packed and ready for its allreduce
             (empty on one rank).
         backward_end_us: end of the last backward event.
     """
 
-    events: StreamEvents
+    dur_us: np.ndarray
     bucket_ready_us: np.ndarray
     backward_end_us: float
+    _segments: tuple[_Segment, ...] = field(repr=False)
+    _ops: tuple[tuple[_Segment, _Segment], ...] = field(repr=False)  # per op: fwd, bwd
+
+    @functools.cached_property
+    def events(self) -> StreamEvents:
+        """The events, back to back from 0."""
+        rows = [row for segment in self._segments for row in segment.rows]
+        if not rows:
+            return StreamEvents.empty()
+        op, fqn, category, phase, precision, plan, nbytes, source = zip(*rows)
+        return StreamEvents.from_lists(op, fqn, category, phase, precision, plan, source,
+                                       _starts(self.dur_us), self.dur_us, nbytes)
 
     @property
     def busy_us(self) -> float:
-        return float(self.events.dur_us.sum())
-
-
-class _Builder:
-    """Collects events in order; cast durations are filled in per (src, dst) pair at once."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple] = []
-        self.casts: dict[tuple[Precision, Precision], list[tuple[int, float]]] = defaultdict(list)
-
-    def add(self, op, fqn, category, phase, precision, plan, dur_us, nbytes, source) -> None:
-        self.rows.append((op, fqn, category, phase, precision, plan, dur_us, nbytes, source))
-
-    def cast(self, fqn: str, label: str, src: Precision, dst: Precision, numel: float,
-             phase: str, plan: Precision) -> None:
-        if src is dst or numel <= 0:
-            return
-        self.casts[(src, dst)].append((len(self.rows), numel))
-        self.rows.append((f"cast:{fqn}:{label}{src}->{dst}", fqn, "cast", phase, str(dst),
-                          str(plan), np.nan, numel * (src.bits + dst.bits) / 8, ""))
-
-    def mark(self) -> int:
-        """How many events exist so far."""
-        return len(self.rows)
-
-    def finish(self, costs: CostModel, device: DeviceSpec) -> StreamEvents:
-        if not self.rows:
-            return StreamEvents.empty()
-        op, fqn, category, phase, precision, plan, dur, nbytes, source = zip(*self.rows)
-        dur_us = np.array(dur, float)
-        source = list(source)
-        for (src, dst), entries in self.casts.items():
-            where = np.array([i for i, _ in entries])
-            times, cast_source = costs.cast_times_us(np.array([n for _, n in entries]), src,
-                                                     dst, device)
-            dur_us[where] = times
-            for i in where.tolist():
-                source[i] = cast_source
-        start_us = np.concatenate(([0.0], np.cumsum(dur_us)[:-1]))
-        return StreamEvents.from_lists(op, fqn, category, phase, precision, plan, source,
-                                       start_us, dur_us, nbytes)
+        return float(self.dur_us.sum())
 
 
 def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostModel,
@@ -132,128 +133,203 @@ def compute_timeline(work: OpWork, assignment: PrecisionAssignment, costs: CostM
         ddp: DDP's work on several ranks (:class:`~qsync_lab.simulate.sync.DdpWork`);
             None on one rank.
     """
-    scale = batch_scales(work, batch_size)
-    fwd, bwd = assignment.precision, assignment.backward
-    timing = {}
-    for phase, precisions in (("forward", fwd), ("backward_input", bwd),
-                              ("backward_weight", bwd)):
-        times, sources = costs.op_times_us(work, precisions, device, batch_size=batch_size,
-                                           phase=phase, plan_precisions=fwd)
-        _, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
-        measured = np.array([s.startswith("profile:") for s in sources], bool)
-        times = np.where(measured & (times > 0), np.maximum(
-            times + costs.event_overhead_us.get(device.name, 0.0), 0.0), times)
-        casts_inside = measured & costs.casts_in_measured_ops
-        timing[phase] = (times, sources, nbytes, casts_inside)
-    build = _Builder()
-    broadcast = ddp.broadcast if ddp is not None else None
-    if broadcast is not None and broadcast.us > 0:
-        build.add("ddp:broadcast_buffers", "", "broadcast", "forward", "", "", broadcast.us, 0.0,
-                  broadcast.source)
-    step_overhead = costs.step_overhead_us.get(device.name, 0.0)
-    if step_overhead > 0 and any(timing["forward"][3]):
-        build.add("framework", "", "framework", "forward", "", "", step_overhead, 0.0,
-                  "fit:step overhead")
-    input_casts = _forward(build, work, assignment, scale, timing["forward"])
-    packs = _Packs(ddp, costs, device)
-    _backward(build, work, assignment, scale, timing, input_casts, packs)
-    packs.add(build, None)
-    events = build.finish(costs, device)
-    ends = np.concatenate(([0.0], events.end_us))
-    return ComputeTimeline(events, ends[packs.marks()], float(ends[-1]))
+    return TimelineBuilder(work, costs, device, batch_size=batch_size,
+                           ddp=ddp).timeline(assignment)
 
 
-class _Packs:
-    """DDP's bucket packs: added after the backward event that completes each bucket."""
+class TimelineBuilder:
+    """:func:`compute_timeline` of one rank class for many assignments: each op's events
+    are derived once per precision context (its precisions, its inputs') and reused."""
 
-    def __init__(self, ddp: DdpWork | None, costs: CostModel, device: DeviceSpec) -> None:
-        self.by_op: dict[int | None, list[int]] = defaultdict(list)
-        self.ddp, self.costs, self.device = ddp, costs, device
-        self.ends: dict[int, int] = {}
-        if ddp is not None:
-            for k in range(len(ddp.bucket_bytes)):
-                self.by_op[ddp.last_op(k)].append(k)
+    def __init__(self, work: OpWork, costs: CostModel, device: DeviceSpec, *,
+                 batch_size: int, ddp: DdpWork | None = None) -> None:
+        self.work, self.costs, self.device, self.batch_size = work, costs, device, batch_size
+        self._scale = batch_scales(work, batch_size)
+        # (op, its float producers) of every op that is not a view (views have no events)
+        self._computed = tuple((i, tuple(j for j in work.producers[i] if work.float_output[j]))
+                               for i, kind in enumerate(work.kinds) if kind != "view")
+        self._slots = {i: slot for slot, (i, _) in enumerate(self._computed)}
+        self._phases: dict[tuple, tuple] = {}
+        self._ops: dict[tuple, tuple[_Segment, _Segment]] = {}
+        self._pending: dict[tuple[Precision, Precision], list[tuple[_Segment, int, float]]] = (
+            defaultdict(list))
+        self._broadcast = _Segment()
+        broadcast = ddp.broadcast if ddp is not None else None
+        if broadcast is not None and broadcast.us > 0:
+            self._broadcast.add("ddp:broadcast_buffers", "", "broadcast", "forward", "", "",
+                                broadcast.us, 0.0, broadcast.source)
+        self._framework = _Segment()
+        step_overhead = costs.step_overhead_us.get(device.name, 0.0)
+        if step_overhead > 0:
+            self._framework.add("framework", "", "framework", "forward", "", "",
+                                step_overhead, 0.0, "fit:step overhead")
+        self._backward_order = self._backward_slots(ddp)
 
-    def add(self, build: _Builder, op: int | None) -> None:
-        """Pack the buckets ``op``'s backward completes (None: those left at the end)."""
-        for k in self.by_op.get(op, ()):
-            nbytes = float(self.ddp.bucket_bytes[k])
-            copy = copy_time_us(nbytes, self.costs, self.device)
-            build.add(f"ddp:pack:bucket{k}", "", "ddp", "backward", "fp32", "fp32",
-                      2 * copy.us, 2 * nbytes, copy.source)
-            self.ends[k] = build.mark()
+    def timeline(self, assignment: PrecisionAssignment, *, base: ComputeTimeline | None = None,
+                 touched: Iterable[int] = ()) -> ComputeTimeline:
+        """The compute stream under ``assignment``; with ``base``, the timeline of an
+        assignment that differs from it only in the precisions of the ``touched`` ops and
+        of their producers (:func:`~qsync_lab.policy.re_resolve`'s second result)."""
+        if base is None:
+            ops = [self._op_pair(assignment, i, producers) for i, producers in self._computed]
+        else:
+            ops = list(base._ops)
+            for slot in (self._slots[i] for i in touched if i in self._slots):  # views: none
+                ops[slot] = self._op_pair(assignment, *self._computed[slot])
+        self._fill_casts()
+        framework = [self._framework] if self._measured_forward(assignment.precision) else []
+        ordered = [self._broadcast, *framework, *[forward for forward, _ in ops]]
+        ordered += [ops[slot][1] if isinstance(slot, int) else slot
+                    for slot in self._backward_order]
+        return _assemble(tuple(ordered), tuple(ops))
 
-    def marks(self) -> np.ndarray:
-        """Per bucket, how many events exist once it is packed."""
-        return np.array([self.ends[k] for k in range(len(self.ends))], dtype=np.int64)
+    def _op_pair(self, assignment: PrecisionAssignment, i: int,
+                 producers: tuple[int, ...]) -> tuple[_Segment, _Segment]:
+        """Op ``i``'s forward and backward events under ``assignment`` (``producers``: the
+        ops whose float outputs it reads)."""
+        out = assignment.output
+        key = (i, assignment.precision[i], assignment.backward[i],
+               tuple([out[j] for j in producers]))
+        return self._ops.get(key) or self._op_segments(*key, producers)
 
+    def _measured_forward(self, fwd: tuple[Precision, ...]) -> bool:
+        """Whether the framework cost opens the iteration: it is fitted and some op's
+        forward time is measured."""
+        return bool(self._framework.rows) and any(
+            self._phase("forward", p, p)[3][i] for i, p in enumerate(fwd))
 
-def _forward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
-             scale: np.ndarray, timing) -> dict[int, dict[Precision, float]]:
-    """Forward events; returns, per op, the numel cast in from each producer precision."""
-    times, sources, nbytes, casts_inside = timing
-    input_casts: dict[int, dict[Precision, float]] = {}
-    for i, fqn in enumerate(work.names):
-        if work.kinds[i] == "view":
-            continue
-        p = assignment.precision[i]
+    def _phase(self, phase: str, precision: Precision, plan: Precision) -> tuple:
+        """Per op: (time, source, bytes, casts inside) of ``phase`` computed in
+        ``precision`` for an op planned in ``plan``."""
+        key = (phase, precision, plan)
+        if key not in self._phases:
+            work, costs, n = self.work, self.costs, len(self.work)
+            times, sources = costs.op_times_us(work, [precision] * n, self.device,
+                                               batch_size=self.batch_size, phase=phase,
+                                               plan_precisions=[plan] * n)
+            _, nbytes = phase_work(work, [precision] * n, phase, batch_size=self.batch_size)
+            measured = np.array([s.startswith("profile:") for s in sources], bool)
+            times = np.where(measured & (times > 0), np.maximum(
+                times + costs.event_overhead_us.get(self.device.name, 0.0), 0.0), times)
+            self._phases[key] = (times, sources, nbytes, measured & costs.casts_in_measured_ops)
+        return self._phases[key]
+
+    def _op_segments(self, i: int, p: Precision, q: Precision, outs: tuple[Precision, ...],
+                     producers: tuple[int, ...]) -> tuple[_Segment, _Segment]:
+        """Op ``i``'s forward and backward events, run in ``p`` and ``q`` with its float
+        inputs (from ``producers``) arriving in ``outs``."""
+        work, scale = self.work, self._scale
         stored = storage_precision(p)
-        from_producers: dict[Precision, float] = defaultdict(float)
-        for j in work.producers[i]:
-            if work.float_output[j] and assignment.output[j] is not stored:
-                from_producers[assignment.output[j]] += work.out_numel[j] * scale[j]
+        input_casts: dict[Precision, float] = defaultdict(float)
+        for j, output in zip(producers, outs):
+            if output is not stored:
+                input_casts[output] += work.out_numel[j] * scale[j]
+        segments = self._ops[(i, p, q, outs)] = (self._forward_segment(i, p, input_casts),
+                                                 self._backward_segment(i, p, q, input_casts))
+        return segments
+
+    def _forward_segment(self, i: int, p: Precision,
+                         input_casts: dict[Precision, float]) -> _Segment:
+        """Op ``i``'s forward events: its input casts, its weight cast and the op."""
+        work, scale, fqn = self.work, self._scale, self.work.names[i]
+        times, sources, nbytes, casts_inside = self._phase("forward", p, p)
+        stored = storage_precision(p)
+        segment = _Segment()
         if not casts_inside[i]:
-            for src, numel in from_producers.items():
-                build.cast(fqn, "", src, stored, numel, "forward", p)
-            build.cast(fqn, "", Precision.FP32, stored, work.data_input_numel[i] * scale[i],
-                       "forward", p)
-            build.cast(fqn, "weight:", Precision.FP32, stored, work.weight_numel[i],
+            for src, numel in input_casts.items():
+                self._cast(segment, fqn, "", src, stored, numel, "forward", p)
+            self._cast(segment, fqn, "", Precision.FP32, stored,
+                       work.data_input_numel[i] * scale[i], "forward", p)
+            self._cast(segment, fqn, "weight:", Precision.FP32, stored, work.weight_numel[i],
                        "forward", p)
         if times[i] > 0:
-            build.add(fqn, fqn, "op", "forward", str(p), str(p), times[i], nbytes[i],
-                      sources[i])
-        input_casts[i] = from_producers
-    return input_casts
+            segment.add(fqn, fqn, "op", "forward", str(p), str(p), times[i], nbytes[i],
+                        sources[i])
+        return segment
 
-
-def _backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
-              scale: np.ndarray, timing, input_casts: dict[int, dict[Precision, float]],
-              packs: _Packs) -> None:
-    """Backward events, each bucket packed once its last gradient is final."""
-    bin_times, bin_sources, bin_bytes, bin_inside = timing["backward_input"]
-    bw_times, bw_sources, bw_bytes, bw_inside = timing["backward_weight"]
-    for i in reversed(range(len(work))):
-        if work.kinds[i] != "view":
-            _op_backward(build, work, assignment, scale, i, input_casts[i],
-                         (bin_times[i], bin_sources[i], bin_bytes[i], bin_inside[i]),
-                         (bw_times[i], bw_sources[i], bw_bytes[i], bw_inside[i]))
-        packs.add(build, i)
-
-
-def _op_backward(build: _Builder, work: OpWork, assignment: PrecisionAssignment,
-                 scale: np.ndarray, i: int, input_casts: dict[Precision, float],
-                 grad_input: tuple, grad_weight: tuple) -> None:
-    """Events of op ``i``'s backward; ``grad_*`` are (time_us, source, bytes, casts
-    inside) of its phases."""
-    fqn, p, q = work.names[i], assignment.precision[i], assignment.backward[i]
-    stored_q = storage_precision(q)
-    input_us, input_source, input_bytes, input_casts_inside = grad_input
-    weight_us, weight_source, weight_bytes, weight_casts_inside = grad_weight
-    if p is Precision.INT8 and (input_us > 0 or weight_us > 0) and not (
-            input_casts_inside or weight_casts_inside):
-        build.cast(fqn, "grad_out:", Precision.FP32, stored_q, work.out_numel[i] * scale[i],
-                   "backward", p)
-        saved_numel = work.act_read_bytes[i] * scale[i] / _FP32_BYTES + work.weight_numel[i]
-        build.cast(fqn, "saved:", Precision.INT8, stored_q, saved_numel, "backward", p)
-    if input_us > 0:
-        build.add(fqn, fqn, "op", "backward_input", str(q), str(p), input_us, input_bytes,
-                  input_source)
-    if not input_casts_inside:
-        for src, numel in input_casts.items():
-            build.cast(fqn, "grad:", stored_q, src, numel, "backward", p)
-    if weight_us > 0:
-        build.add(fqn, fqn, "op", "backward_weight", str(q), str(p), weight_us, weight_bytes,
-                  weight_source)
-        if not weight_casts_inside:
-            build.cast(fqn, "weight_grad:", stored_q, Precision.FP32, work.weight_numel[i],
+    def _backward_segment(self, i: int, p: Precision, q: Precision,
+                          input_casts: dict[Precision, float]) -> _Segment:
+        """Op ``i``'s backward events (forward in ``p``, backward in ``q``)."""
+        work, scale, fqn = self.work, self._scale, self.work.names[i]
+        stored_q = storage_precision(q)
+        input_us, input_source, input_bytes, input_inside = (
+            column[i] for column in self._phase("backward_input", q, p))
+        weight_us, weight_source, weight_bytes, weight_inside = (
+            column[i] for column in self._phase("backward_weight", q, p))
+        segment = _Segment()
+        if p is Precision.INT8 and (input_us > 0 or weight_us > 0) and not (
+                input_inside or weight_inside):
+            self._cast(segment, fqn, "grad_out:", Precision.FP32, stored_q,
+                       work.out_numel[i] * scale[i], "backward", p)
+            saved_numel = work.act_read_bytes[i] * scale[i] / _FP32_BYTES + work.weight_numel[i]
+            self._cast(segment, fqn, "saved:", Precision.INT8, stored_q, saved_numel,
                        "backward", p)
+        if input_us > 0:
+            segment.add(fqn, fqn, "op", "backward_input", str(q), str(p), input_us,
+                        input_bytes, input_source)
+        if not input_inside:
+            for src, numel in input_casts.items():
+                self._cast(segment, fqn, "grad:", stored_q, src, numel, "backward", p)
+        if weight_us > 0:
+            segment.add(fqn, fqn, "op", "backward_weight", str(q), str(p), weight_us,
+                        weight_bytes, weight_source)
+            if not weight_inside:
+                self._cast(segment, fqn, "weight_grad:", stored_q, Precision.FP32,
+                           work.weight_numel[i], "backward", p)
+        return segment
+
+    def _cast(self, segment: _Segment, fqn: str, label: str, src: Precision, dst: Precision,
+              numel: float, phase: str, plan: Precision) -> None:
+        """A cast event; its duration is costed with the others of its (src, dst) pair."""
+        if src is dst or numel <= 0:
+            return
+        self._pending[(src, dst)].append((segment, len(segment.rows), numel))
+        segment.add(f"cast:{fqn}:{label}{src}->{dst}", fqn, "cast", phase, str(dst),
+                    str(plan), np.nan, numel * (src.bits + dst.bits) / 8, "")
+
+    def _fill_casts(self) -> None:
+        """Cost the casts of the segments derived since the last call, per (src, dst)."""
+        for (src, dst), entries in self._pending.items():
+            times, source = self.costs.cast_times_us(np.array([n for _, _, n in entries]),
+                                                     src, dst, self.device)
+            for (segment, k, _), time_us in zip(entries, times.tolist()):
+                segment.dur_us[k], segment.rows[k][7] = time_us, source
+        self._pending.clear()
+
+    def _backward_slots(self, ddp: DdpWork | None) -> list["int | _Segment"]:
+        """The backward stream's order: ops in reverse (an int: the op's place among the
+        ops that are not views), each followed by DDP's packs of the buckets its backward
+        completes; the packs of buckets left to the end of the backward come last."""
+        packs: dict[int | None, _Segment] = defaultdict(_Segment)
+        for k in range(len(ddp.bucket_bytes) if ddp is not None else 0):
+            nbytes = float(ddp.bucket_bytes[k])
+            copy = copy_time_us(nbytes, self.costs, self.device)
+            segment = packs[ddp.last_op(k)]
+            segment.add(f"ddp:pack:bucket{k}", "", "ddp", "backward", "fp32", "fp32",
+                        2 * copy.us, 2 * nbytes, copy.source)
+            segment.packs.append((k, len(segment.rows)))
+        slots: list[int | _Segment] = []
+        for i in reversed(range(len(self.work))):
+            slots += [self._slots[i]] if i in self._slots else []
+            slots += [packs[i]] if i in packs else []
+        return slots + ([packs[None]] if None in packs else [])
+
+
+def _assemble(segments: tuple[_Segment, ...],
+              ops: tuple[tuple[_Segment, _Segment], ...]) -> ComputeTimeline:
+    """The timeline of ``segments`` run back to back (``ops``: each op's, for re-use)."""
+    durations: list[float] = []
+    ready: dict[int, int] = {}
+    for segment in segments:
+        for k, position in segment.packs:
+            ready[k] = len(durations) + position
+        durations.extend(segment.dur_us)
+    dur_us = np.array(durations, float)
+    ends = np.concatenate(([0.0], _starts(dur_us) + dur_us)) if len(dur_us) else np.zeros(1)
+    marks = np.array([ready[k] for k in range(len(ready))], dtype=np.int64)
+    return ComputeTimeline(dur_us, ends[marks], float(ends[-1]), segments, ops)
+
+
+def _starts(dur_us: np.ndarray) -> np.ndarray:
+    """Start of each of back-to-back events."""
+    return np.concatenate(([0.0], np.cumsum(dur_us)[:-1]))

@@ -119,8 +119,9 @@ def replay_allreduces(ready_us: Sequence[np.ndarray], backward_end_us: Sequence[
     delay: list[list[float]] = [[] for _ in ready_us]
     begin = []
     end_us = 0.0
+    ready_lists = [r.tolist() for r in ready_us]
     for k, dur in enumerate(allreduce_us):
-        ready = max(_shifted(float(r[k]), a, d) for r, a, d in zip(ready_us, at, delay))
+        ready = max(_shifted(r[k], a, d) for r, a, d in zip(ready_lists, at, delay))
         start = max(ready, end_us)
         for c, is_shared in enumerate(shared):
             if is_shared:
@@ -136,4 +137,4 @@ def replay_allreduces(ready_us: Sequence[np.ndarray], backward_end_us: Sequence[
 
 def _shifted(t: float, at: list[float], delay: list[float]) -> float:
     """The end of an event that ended at ``t`` before the delays."""
-    return t + sum(d for a, d in zip(at, delay) if a < t)
+    return t + sum(d for a, d in zip(at, delay) if a < t) if delay else t
