@@ -13,9 +13,9 @@ Example::
     >>> from qsync_lab.devices import load_catalog
     >>> from qsync_lab.graph import trace_graph
     >>> work = op_work(trace_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)))
-    >>> scores = pd.DataFrame({("fp16", "omega"): [0.1], ("int8", "omega"): [0.5]}, index=["0"])
+    >>> scores = pd.DataFrame({("fp16", "risk"): [0.1], ("int8", "risk"): [0.5]}, index=["0"])
     >>> c = op_choices(work, scores, load_catalog().device("T4"))
-    >>> c.ops, [[str(p) for p in ladder] for ladder in c.ladders], c.omega[0]["int8"]
+    >>> c.ops, [[str(p) for p in ladder] for ladder in c.ladders], c.op_risk[0]["int8"]
     ((0,), [['int8', 'fp16', 'fp32']], 0.5)
 """
 
@@ -42,18 +42,18 @@ class OpChoices:
         device: the device kind.
         ops: candidate op indices, in graph order.
         ladders: per candidate, its precisions from the highest risk to fp32.
-        omega: per candidate, precision -> indicator (fp32: 0).
+        op_risk: per candidate, precision -> the indicator's risk (fp32: 0).
     """
 
     device: DeviceSpec
     ops: tuple[int, ...]
     ladders: tuple[tuple[Precision, ...], ...]
-    omega: tuple[Mapping[Precision, float], ...]
+    op_risk: tuple[Mapping[Precision, float], ...]
 
     def risk(self, plan: Mapping[int, Precision]) -> float:
         """Summed indicator of ``plan`` over the candidates (ops it leaves out: fp32)."""
-        return float(sum(omega.get(plan.get(op, Precision.FP32), 0.0)
-                         for op, omega in zip(self.ops, self.omega)))
+        return float(sum(risk.get(plan.get(op, Precision.FP32), 0.0)
+                         for op, risk in zip(self.ops, self.op_risk)))
 
 
 def op_may_run(work: OpWork, index: int, precision: Precision, device: DeviceSpec) -> bool:
@@ -68,35 +68,35 @@ def op_may_run(work: OpWork, index: int, precision: Precision, device: DeviceSpe
 
 
 def op_choices(work: OpWork, indicator: pd.DataFrame, device: DeviceSpec) -> OpChoices:
-    """The candidates of ``device`` given the indicator's ``(precision, "omega")`` columns.
+    """The candidates of ``device`` given the indicator's ``(precision, "risk")`` columns.
 
     Raises:
-        QSyncError: the indicator has no ``omega`` column, or names an op the graph lacks.
+        QSyncError: the indicator has no ``risk`` column, or names an op the graph lacks.
     """
     columns = {Precision.parse(p): col for col in indicator.columns
-               if isinstance(col, tuple) and len(col) == 2 and col[1] == "omega"
+               if isinstance(col, tuple) and len(col) == 2 and col[1] == "risk"
                for p in [col[0]]}
     if not columns:
-        raise QSyncError("the indicator has no (precision, 'omega') columns; pass the "
+        raise QSyncError("the indicator has no (precision, 'risk') columns; pass the "
                          "DataFrame qsync_lab.indicator.indicator returns")
     position = {name: i for i, name in enumerate(work.names)}
     unknown = [fqn for fqn in indicator.index if fqn not in position]
     if unknown:
         raise QSyncError(f"the indicator scores op {unknown[0]!r}, which the graph does not "
                          "have; compute it for this model")
-    ops, ladders, omegas = [], [], []
+    ops, ladders, risks = [], [], []
     for fqn in indicator.index:
         i = position[fqn]
-        omega = {Precision.FP32: 0.0}
+        risk = {Precision.FP32: 0.0}
         for p, col in columns.items():
             value = float(indicator.at[fqn, col])
             if (p is not Precision.FP32 and math.isfinite(value)
                     and op_may_run(work, i, p, device)):
-                omega[p] = max(value, 0.0)
-        if len(omega) > 1:
+                risk[p] = max(value, 0.0)
+        if len(risk) > 1:
             ops.append(i)
-            ladders.append(tuple(sorted(omega, key=lambda p: (-omega[p], p.bits))))
-            omegas.append(omega)
+            ladders.append(tuple(sorted(risk, key=lambda p: (-risk[p], p.bits))))
+            risks.append(risk)
     order = sorted(range(len(ops)), key=ops.__getitem__)
     return OpChoices(device, tuple(ops[k] for k in order), tuple(ladders[k] for k in order),
-                     tuple(omegas[k] for k in order))
+                     tuple(risks[k] for k in order))

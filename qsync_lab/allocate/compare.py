@@ -9,7 +9,7 @@ Example::
     >>> from qsync_lab.graph import trace_graph
     >>> graph = trace_graph(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(),
     ...                                   nn.Linear(4096, 1024)), torch.randn(4, 64, 1024))
-    >>> scores = pd.DataFrame({("fp16", "omega"): [1.0, 2.0], ("int8", "omega"): [4.0, 8.0]},
+    >>> scores = pd.DataFrame({("fp16", "risk"): [1.0, 2.0], ("int8", "risk"): [4.0, 8.0]},
     ...                       index=["0", "2"])
     >>> table = compare_strategies(graph, load_cluster("v100-t4-small"), CostModel(), scores)
     >>> table.index.tolist()
@@ -88,7 +88,7 @@ def plan_risk(plan: Plan, indicator: pd.DataFrame | None) -> float:
     for ops in plan.precisions.values():
         for fqn, cfg in ops.items():
             if cfg.forward is not Precision.FP32:
-                total += float(indicator.at[fqn, (str(cfg.forward), "omega")])
+                total += float(indicator.at[fqn, (str(cfg.forward), "risk")])
     return total
 
 

@@ -76,18 +76,18 @@ class AdditiveInstance:
         ladder = (Precision.INT8, Precision.FP16, Precision.FP32)
         fp32_us = rng.uniform(50, 500, ops)
         weight_bytes = rng.uniform(1e5, 1e7, ops)
-        omega, delta_us, delta_bytes = [], [], []
+        risk, delta_us, delta_bytes = [], [], []
         for k in range(ops):
             fp16 = float(rng.uniform(0.01, 1.0))
-            omega.append(MappingProxyType({Precision.INT8: fp16 * rng.uniform(2, 20),
-                                           Precision.FP16: fp16, Precision.FP32: 0.0}))
+            risk.append(MappingProxyType({Precision.INT8: fp16 * rng.uniform(2, 20),
+                                          Precision.FP16: fp16, Precision.FP32: 0.0}))
             delta_us.append(MappingProxyType({Precision.INT8: -0.75 * fp32_us[k],
                                               Precision.FP16: -0.5 * fp32_us[k],
                                               Precision.FP32: 0.0}))
             delta_bytes.append(MappingProxyType({Precision.INT8: -0.5 * weight_bytes[k],
                                                  Precision.FP16: -0.3 * weight_bytes[k],
                                                  Precision.FP32: 0.0}))
-        choices = OpChoices(t4, tuple(range(ops)), (ladder,) * ops, tuple(omega))
+        choices = OpChoices(t4, tuple(range(ops)), (ladder,) * ops, tuple(risk))
         base_us = float(fp32_us.sum())
         fastest_us = base_us - 0.75 * base_us
         return cls(choices, base_us, float(4 * weight_bytes.sum()), tuple(delta_us),
@@ -102,7 +102,7 @@ class AdditiveInstance:
         return self.base_bytes + sum(self.delta_bytes[k][p] for k, p in plan.items())
 
     def risk(self, plan: Mapping[int, Precision]) -> float:
-        return float(sum(self.choices.omega[k][p] for k, p in plan.items()))
+        return float(sum(self.choices.op_risk[k][p] for k, p in plan.items()))
 
     def move_us(self, k: int, old: Precision, new: Precision) -> float:
         return self.delta_us[k][new] - self.delta_us[k][old]
@@ -185,7 +185,7 @@ def exact_plan(instance: AdditiveInstance) -> dict[int, Precision]:
     """
     columns = [(k, p) for k, ladder in enumerate(instance.choices.ladders) for p in ladder]
     n_ops = len(instance.choices.ladders)
-    risk = np.array([instance.choices.omega[k][p] for k, p in columns])
+    risk = np.array([instance.choices.op_risk[k][p] for k, p in columns])
     one_each = np.zeros((n_ops, len(columns)))
     for j, (k, _) in enumerate(columns):
         one_each[k, j] = 1.0
@@ -258,6 +258,6 @@ def linearized_instance(evaluator: PlanEvaluator, kind: str, choices: OpChoices,
     pace_us = min(evaluator.propose(name, {}).timelines[0].backward_end_us
                   for name in evaluator.devices if name != kind)
     positions = tuple(range(len(choices.ops)))
-    local = OpChoices(choices.device, positions, choices.ladders, choices.omega)
+    local = OpChoices(choices.device, positions, choices.ladders, choices.op_risk)
     return AdditiveInstance(local, compute_us(base), base.tensor_peak_bytes, tuple(delta_us),
                             tuple(delta_bytes), pace_us, budget_bytes)

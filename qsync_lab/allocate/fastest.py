@@ -24,7 +24,7 @@ Example::
     >>> graph = trace_graph(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(),
     ...                                   nn.Linear(4096, 1024)), torch.randn(4, 64, 1024))
     >>> ev = PlanEvaluator(prepare_graph(graph), load_cluster("v100-t4-small"), CostModel())
-    >>> scores = pd.DataFrame({("fp16", "omega"): [1.0, 1.0], ("int8", "omega"): [2.0, 2.0]},
+    >>> scores = pd.DataFrame({("fp16", "risk"): [1.0, 1.0], ("int8", "risk"): [2.0, 2.0]},
     ...                       index=["0", "2"])
     >>> choices = op_choices(ev.prepared.work, scores, ev.devices["T4"])
     >>> chain = chain_costs(ev.prepared.work, choices.ops, ev.devices["T4"], CostModel(),

@@ -80,7 +80,7 @@ def risk_frontier(chain: ChainCosts, choices: OpChoices, *, resource: str = "tim
     for k, ladder in enumerate(choices.ladders):
         for p in ladder:
             c = chain.column(p)
-            risk[k, c] = choices.omega[k][p]
+            risk[k, c] = choices.op_risk[k][p]
             cost[k, :, c] = ([chain.node_us[k, c] + chain.edge_us(k, q if k else None, p)
                               for q in precisions] if resource == "time"
                              else chain.mem_bytes[k, c])

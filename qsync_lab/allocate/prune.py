@@ -50,7 +50,7 @@ def prune_plans(evaluator, choices: Mapping[str, OpChoices],
         while changed:
             changed = False
             low = sorted((k for k, p in enumerate(plan) if p is not Precision.FP32),
-                         key=lambda k: -c.omega[k][plan[k]])
+                         key=lambda k: -c.op_risk[k][plan[k]])
             for k in low:
                 proposal = evaluator.propose(kind, {c.ops[k]: Precision.FP32})
                 if _no_worse(evaluator, proposal, budgets_bytes[kind]):

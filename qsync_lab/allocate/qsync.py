@@ -29,7 +29,7 @@ Example::
     >>> from qsync_lab.graph import trace_graph
     >>> model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
     >>> graph = trace_graph(model, torch.randn(4, 64, 1024))
-    >>> scores = pd.DataFrame({("fp16", "omega"): [1.0, 2.0], ("int8", "omega"): [4.0, 8.0]},
+    >>> scores = pd.DataFrame({("fp16", "risk"): [1.0, 2.0], ("int8", "risk"): [4.0, 8.0]},
     ...                       index=["0", "2"])
     >>> plan = allocate(graph, load_cluster("v100-t4-small"), CostModel(), scores)
     >>> plan.strategy, plan.precisions["V100-SXM2-32GB"] == {}

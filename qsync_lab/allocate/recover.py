@@ -162,7 +162,7 @@ def greedy_recover(evaluator, choices: Mapping[str, OpChoices],
         if position + 1 == len(ladder):
             return None
         target = ladder[position + 1]
-        gain = c.omega[k][current] - c.omega[k][target]
+        gain = c.op_risk[k][current] - c.op_risk[k][target]
         delta_us = move_us(kind, k, plans[kind], target)
         if gain <= 0 and delta_us >= 0:
             return None

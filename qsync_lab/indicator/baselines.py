@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.indicator.statistics import SCORED_KINDS
@@ -92,7 +93,9 @@ def hawq_scores(model: nn.Module, batches: Iterable, loss_fn: nn.Module,
     weights = [m.weight for m in ops.values()]
     traces = torch.zeros(len(weights), dtype=torch.float64)
     taken = 0
-    with preserved_state(model), torch.random.fork_rng(devices=[]):
+    # the math attention kernel is the one with a double backward (flash has none on CPU)
+    with preserved_state(model), torch.random.fork_rng(devices=[]), \
+            sdpa_kernel(SDPBackend.MATH):
         torch.manual_seed(seed)
         model.train()
         for inputs, target in batches:

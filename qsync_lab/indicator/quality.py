@@ -4,8 +4,14 @@ The ground truth comes from quantizing **one operator at a time** with the real
 mixed-precision operators (:func:`qsync_lab.quant.apply_plan_`) and measuring, over held-out
 batches, against the fp32 model on the same batches and dropout masks:
 
-* ``loss_increase``: mean of ``loss_quantized − loss_fp32``;
-* ``grad_deviation``: ``Σ‖g_quantized − g_fp32‖² / Σ‖g_fp32‖²`` over all parameters.
+* ``kl``: mean over samples of ``KL(p_fp32 ‖ p_quantized)`` between the predicted class
+  distributions — the expected loss increase when the targets are drawn from the fp32
+  model's own predictions. It is the stable form of the loss increase: never negative,
+  and free of the first-order term ``g·δy`` whose sign follows the given labels;
+* ``grad_deviation``: ``Σ‖g_quantized − g_fp32‖² / Σ‖g_fp32‖²`` over all parameters;
+* ``loss_increase``: mean of ``loss_quantized − loss_fp32`` over the batches, with the
+  half-width of its 95 % interval (``loss_ci95``). On trained models one op at int8 moves
+  the loss by far less than this interval, so it is reported, not trusted.
 
 Each indicator's quality is its Spearman rank correlation with these, over the operators it
 scores (weight-based baselines do not score matmuls; the row says how many ops were used).
@@ -17,6 +23,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
@@ -30,6 +37,8 @@ from qsync_lab.precision import Precision
 
 
 INDICATORS = ("qsync", "fisher", "hawq", "wvar", "random")
+#: correlation column suffix -> truth column of :func:`measure_truth`
+TRUTHS = {"kl": "kl", "grad": "grad_deviation", "loss": "loss_increase"}
 
 
 @dataclass(frozen=True)
@@ -37,9 +46,9 @@ class QualityReport:
     """Result of :func:`indicator_quality`.
 
     Attributes:
-        correlations: one row per indicator: ``ops`` (how many were ranked),
-            ``rho_loss`` and ``rho_grad`` (Spearman ρ with the loss increase and the
-            gradient deviation).
+        correlations: one row per indicator: ``ops`` (how many were ranked) and
+            ``rho_kl``, ``rho_grad``, ``rho_loss`` (Spearman ρ with the KL, the gradient
+            deviation and the loss increase).
         table: one row per op: the truth columns and every indicator's score.
     """
 
@@ -50,14 +59,21 @@ class QualityReport:
 def measure_truth(model: nn.Module, batches: Sequence, loss_fn: nn.Module, ops: Sequence[str],
                   precision: "Precision | str", *, seed: int = 0,
                   progress: bool = True) -> pd.DataFrame:
-    """Loss increase and gradient deviation of quantizing each op of ``ops`` alone.
+    """The damage of quantizing each op of ``ops`` alone, over ``batches``.
 
-    Ops the runtime cannot run at ``precision`` (e.g. an int8 embedding) are left out.
+    Columns: ``kl``, ``grad_deviation``, ``loss_increase`` and ``loss_ci95`` (the
+    half-width of the 95 % Student-t interval of the per-batch loss increases; NaN with
+    one batch). ``kl`` is NaN when the model's output is not a tensor of class scores
+    (last dimension). Ops the runtime cannot run at ``precision`` (e.g. an int8
+    embedding) are left out.
     """
+    from scipy.stats import t as student_t
+
     from qsync_lab.quant import apply_plan_
 
-    reference = [_loss_and_grads(model, batch, loss_fn, seed + i)
+    reference = [_loss_grads_output(model, batch, loss_fn, seed + i)
                  for i, batch in enumerate(batches)]
+    norm = sum(float(r.double().square().sum()) for _, grads, _ in reference for r in grads)
     rows = {}
     for op in tqdm(ops, disable=not progress, desc=f"truth ({precision})"):
         quantized = copy.deepcopy(model)
@@ -65,14 +81,18 @@ def measure_truth(model: nn.Module, batches: Sequence, loss_fn: nn.Module, ops: 
             apply_plan_(quantized, {op: str(Precision.parse(precision))})
         except QSyncError:
             continue
-        loss_delta, dev, norm = 0.0, 0.0, 0.0
+        loss_deltas, kl, dev = [], 0.0, 0.0
         for i, batch in enumerate(batches):
-            loss, grads = _loss_and_grads(quantized, batch, loss_fn, seed + i)
-            ref_loss, ref_grads = reference[i]
-            loss_delta += loss - ref_loss
+            loss, grads, output = _loss_grads_output(quantized, batch, loss_fn, seed + i)
+            ref_loss, ref_grads, ref_output = reference[i]
+            loss_deltas.append(loss - ref_loss)
+            kl += _class_kl(ref_output, output)
             dev += sum(float((g - r).double().square().sum()) for g, r in zip(grads, ref_grads))
-            norm += sum(float(r.double().square().sum()) for r in ref_grads)
-        rows[op] = {"loss_increase": loss_delta / len(batches), "grad_deviation": dev / norm}
+        deltas = np.array(loss_deltas)
+        half = (student_t.ppf(0.975, len(deltas) - 1) * deltas.std(ddof=1) / len(deltas) ** 0.5
+                if len(deltas) > 1 else np.nan)
+        rows[op] = {"kl": kl / len(batches), "grad_deviation": dev / norm,
+                    "loss_increase": deltas.mean(), "loss_ci95": half}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
@@ -111,17 +131,33 @@ def indicator_quality(model: nn.Module, graph, calibration: Sequence, heldout: S
     table["random"] = random_scores(list(table.index), [p], seed=seed)[p]
     rows = {}
     for name in INDICATORS:
-        ranked = table[[name, "loss_increase", "grad_deviation"]].dropna()
-        rows[name] = {
-            "ops": len(ranked),
-            "rho_loss": ranked[name].corr(ranked["loss_increase"], method="spearman"),
-            "rho_grad": ranked[name].corr(ranked["grad_deviation"], method="spearman"),
-        }
+        ranked = table[table[name].notna()]
+        rows[name] = {"ops": len(ranked)} | {
+            f"rho_{truth}": ranked[name].corr(ranked[column], method="spearman")
+            for truth, column in TRUTHS.items()}
     return QualityReport(pd.DataFrame.from_dict(rows, orient="index"), table)
 
 
-def _loss_and_grads(model: nn.Module, batch, loss_fn: nn.Module, seed: int):
-    """Loss and parameter gradients of one batch, with dropout drawn from ``seed``."""
+def _class_kl(reference: torch.Tensor, quantized: torch.Tensor) -> float:
+    """Mean KL(softmax(reference) ‖ softmax(quantized)) over the rows of class scores;
+    NaN when the outputs are not floating tensors with at least two classes.
+
+    Example::
+
+        >>> x = torch.tensor([[2.0, 0.0]])
+        >>> _class_kl(x, x), round(_class_kl(x, torch.zeros(1, 2)), 4)
+        (0.0, 0.3278)
+    """
+    if not (isinstance(reference, torch.Tensor) and reference.is_floating_point()
+            and reference.dim() >= 1 and reference.shape[-1] >= 2):
+        return float("nan")
+    p = reference.double().log_softmax(-1).flatten(0, -2)
+    q = quantized.double().log_softmax(-1).flatten(0, -2)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def _loss_grads_output(model: nn.Module, batch, loss_fn: nn.Module, seed: int):
+    """Loss, parameter gradients and output of one batch, dropout drawn from ``seed``."""
     inputs, target = batch
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     with preserved_state(model), torch.random.fork_rng(devices=[]):
@@ -129,8 +165,9 @@ def _loss_and_grads(model: nn.Module, batch, loss_fn: nn.Module, seed: int):
         model.train()
         for p in model.parameters():
             p.grad = None
-        loss = loss_fn(model(*inputs), target)
+        output = model(*inputs)
+        loss = loss_fn(output, target)
         loss.backward()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                  for p in model.parameters()]
-    return float(loss.detach()), grads
+    return float(loss.detach()), grads, output.detach() if torch.is_tensor(output) else output

@@ -67,6 +67,22 @@ squared change of the loss caused by the op's forward rounding (each output's er
 op's output (a query projection feeding a flat softmax matters less than the value
 projection beside it; an embedding followed by a LayerNorm matters more than its tiny
 weights suggest). ``benchmarks/indicator_quality.py`` compares both against measured damage.
+
+**The allocator's risk.** The ``risk`` column is what the allocator minimizes: ``fisher``
+by default, ω with ``risk="omega"`` (to reproduce QSync). Measured one op at a time at int8
+(``benchmarks/results/indicator_quality_cpu.txt``), ω ranks the damage well on ResNet-18
+(Spearman ρ 0.75 with the KL of the predictions, 0.87 with the gradient deviation) but not
+on a BERT-style encoder (−0.25, −0.21), while ``fisher`` reaches ≥ 0.8 on both truths on
+ResNet-18, BERT and a GPT-style decoder. Two reasons, both visible in the per-op table:
+ω adds ``V_f``, an activation error energy, to ``V_b``, a gradient error energy, which lie
+about 10⁴–10⁵ apart (BERT's median ratio 3·10⁻⁵), so ω is ``γ·(L−d)·V_f`` in practice; and
+``V_f`` counts error energy wherever it lands, while the loss feels it only through the
+output gradient — BERT's attention scores, feeding a saturated softmax, carry the largest
+``V_f`` (ω's ranks 1–2 of 21) and do middling harm (ranks 7–16 by the two truths), its
+embeddings, rescaled by the LayerNorm after them, carry the least ``V_f`` (ω's ranks
+18–20) and do the most harm (ranks 1–5). ``fisher`` weighs the same
+``V_f`` by that gradient; its backward counterpart (the gradient error's effect on the
+next update's loss) is smaller by the learning rate squared and is left out.
 """
 
 from collections.abc import Iterable, Sequence
@@ -80,13 +96,15 @@ from qsync_lab.indicator.statistics import NORM_KINDS, collect_statistics
 from qsync_lab.policy import DEFAULT_BACKWARD, kind_allows
 from qsync_lab.precision import Precision
 
-TERMS = ("V_f", "V_b", "omega", "fisher")
+TERMS = ("V_f", "V_b", "omega", "fisher", "risk")
+#: what the ``risk`` column (the allocator's) can be
+RISKS = ("fisher", "omega")
 
 
 def indicator(model: nn.Module, graph, batches: Iterable, *,
               loss_fn: nn.Module, precisions: Sequence["Precision | str"] = tuple(Precision),
               gamma: float = 4.0, rounding: str = "nearest", num_batches: int = 10,
-              seed: int = 0, progress: bool = True) -> pd.DataFrame:
+              risk: str = "fisher", seed: int = 0, progress: bool = True) -> pd.DataFrame:
     """Score every linear, conv, matmul, embedding and norm op of ``model`` per precision.
 
     Args:
@@ -98,13 +116,16 @@ def indicator(model: nn.Module, graph, batches: Iterable, *,
         gamma: weight of the forward term (QSync: 4).
         rounding: int8 rounding mode, ``"nearest"`` or ``"stochastic"``.
         num_batches: K calibration batches (QSync: 10).
+        risk: the term copied into the ``risk`` column, which the allocator minimizes:
+            ``"fisher"`` (default) or ``"omega"`` (QSync's).
         seed: seeds dropout during calibration.
         progress: show a progress bar.
 
     Returns:
         DataFrame indexed by op FQN (graph order) with columns ``("op", "kind")``,
         ``("op", "depth")`` and, per precision, ``(p, "V_f")``, ``(p, "V_b")``,
-        ``(p, "omega")``, ``(p, "fisher")`` — e.g. ``scores["int8"]["omega"]``.
+        ``(p, "omega")``, ``(p, "fisher")``, ``(p, "risk")`` — e.g.
+        ``scores["int8"]["omega"]``.
 
     Example::
 
@@ -120,17 +141,19 @@ def indicator(model: nn.Module, graph, batches: Iterable, *,
     """
     if gamma < 0:
         raise QSyncError(f"gamma must be >= 0, got {gamma}")
+    if risk not in RISKS:
+        raise QSyncError(f"unknown risk {risk!r}; choose one of: {', '.join(RISKS)}")
     if (graph.ops["plan_refusal"] != "").all():
         raise QSyncError(f"{type(model).__name__} has no op a plan can set (linear, conv, "
                          "matmul, embedding or norm); there is nothing to score")
     stats = collect_statistics(model, batches, loss_fn, precisions=precisions,
                                rounding=rounding, num_batches=num_batches, seed=seed,
                                progress=progress)
-    return scores_from_statistics(stats, graph, precisions, gamma=gamma)
+    return scores_from_statistics(stats, graph, precisions, gamma=gamma, risk=risk)
 
 
 def scores_from_statistics(stats: pd.DataFrame, graph, precisions, *,
-                           gamma: float = 4.0) -> pd.DataFrame:
+                           gamma: float = 4.0, risk: str = "fisher") -> pd.DataFrame:
     """The indicator from :func:`~qsync_lab.indicator.collect_statistics` rows: each term
     is computed per calibration batch, then averaged over the batches."""
     missing = sorted(set(stats["op"]) - set(graph.ops.index))
@@ -165,6 +188,7 @@ def scores_from_statistics(stats: pd.DataFrame, graph, precisions, *,
         out[(str(p), "V_b")] = v_b
         out[(str(p), "omega")] = gamma * (total_depth - depth) * v_f + depth * v_b
         out[(str(p), "fisher")] = terms[(str(p), "fisher")].where(scored)
+        out[(str(p), "risk")] = out[(str(p), risk)]
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     out.index.name = "op"
     return out

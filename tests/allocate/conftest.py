@@ -25,8 +25,8 @@ def synthetic_indicator(graph, seed: int = 0) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     linears = graph.ops.index[graph.ops["kind"] == "linear"]
     fp16 = rng.uniform(0.1, 1.0, len(linears))
-    return pd.DataFrame({("fp16", "omega"): fp16,
-                         ("int8", "omega"): fp16 * rng.uniform(2, 10, len(linears))},
+    return pd.DataFrame({("fp16", "risk"): fp16,
+                         ("int8", "risk"): fp16 * rng.uniform(2, 10, len(linears))},
                         index=linears)
 
 

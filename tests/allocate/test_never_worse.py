@@ -33,10 +33,10 @@ def instances(draw):
     rng = np.random.default_rng(seed)
     fp32_us = rng.uniform(10, 500, ops)
     weight_bytes = rng.uniform(1e5, 1e7, ops)
-    omega, delta_us, delta_bytes = [], [], []
+    risk, delta_us, delta_bytes = [], [], []
     for k in range(ops):
         fp16 = float(rng.uniform(0.01, 1.0))
-        omega.append(MappingProxyType({INT8: fp16 * rng.uniform(2, 20), FP16: fp16, FP32: 0.0}))
+        risk.append(MappingProxyType({INT8: fp16 * rng.uniform(2, 20), FP16: fp16, FP32: 0.0}))
         gain = rng.uniform(-0.3, 0.8)  # negative: the low precision is slower than fp32
         delta_us.append(MappingProxyType({INT8: -gain * 1.5 * fp32_us[k],
                                           FP16: -gain * fp32_us[k], FP32: 0.0}))
@@ -44,7 +44,7 @@ def instances(draw):
                                              FP16: -0.3 * weight_bytes[k], FP32: 0.0}))
     ladder = (INT8, FP16, FP32)
     choices = OpChoices(load_catalog().device("T4"), tuple(range(ops)), (ladder,) * ops,
-                        tuple(omega))
+                        tuple(risk))
     base_us, base_bytes = float(fp32_us.sum()), float(4 * weight_bytes.sum())
     fastest = base_us + sum(min(d.values()) for d in delta_us)
     target = fastest + draw(st.floats(0.0, 1.2)) * (base_us - fastest)

@@ -51,8 +51,8 @@ def residual_case():
     ops = graph.ops.index[graph.ops["kind"].isin(["conv2d", "linear"])]
     rng = np.random.default_rng(0)
     fp16 = rng.uniform(0.1, 1.0, len(ops))
-    scores = pd.DataFrame({("fp16", "omega"): fp16,
-                           ("int8", "omega"): fp16 * rng.uniform(2, 10, len(ops))}, index=ops)
+    scores = pd.DataFrame({("fp16", "risk"): fp16,
+                           ("int8", "risk"): fp16 * rng.uniform(2, 10, len(ops))}, index=ops)
     return prepare_graph(graph), load_cluster("qsync-paper"), CostModel(), scores
 
 

@@ -197,3 +197,28 @@ def test_bad_input_is_a_one_line_error(call, message):
     with pytest.raises(QSyncError, match=message) as err:
         call(model, graph, [(x, y)])
     assert "\n" not in str(err.value)
+
+
+def test_risk_is_the_fisher_term_unless_asked_for_qsyncs_omega(cnn_scores):
+    model, graph, batches, scores, _, _ = cnn_scores
+    assert np.allclose(scores[("int8", "risk")], scores[("int8", "fisher")], equal_nan=True)
+    omega_risk = indicator(model, graph, batches[:1], loss_fn=model_spec("resnet18").loss_fn(),
+                           precisions=["int8"], num_batches=1, risk="omega", progress=False)
+    assert np.allclose(omega_risk[("int8", "risk")], omega_risk[("int8", "omega")],
+                       equal_nan=True)
+    with pytest.raises(QSyncError, match="unknown risk 'hawq'; choose one of: fisher, omega"):
+        indicator(model, graph, batches, loss_fn=model_spec("resnet18").loss_fn(),
+                  risk="hawq", progress=False)
+
+
+def test_hawq_scores_models_built_on_scaled_dot_product_attention():
+    from qsync_lab.indicator.baselines import hawq_scores
+    from qsync_lab.models.families import family_batch, family_model, FAMILIES
+
+    torch.manual_seed(0)
+    model = family_model("gpt_decoder")
+    batch = family_batch("gpt_decoder", 2)
+    scores = hawq_scores(model, [batch], FAMILIES["gpt_decoder"].loss_fn(), ["int8"],
+                         num_batches=1, samples=1)
+    # the embedding, 2 blocks x (qkv, proj, fc, out) and the head that shares its weight
+    assert len(scores) == 10 and np.isfinite(scores["int8"]).all()

@@ -119,7 +119,7 @@ def test_every_reader_agrees_for_every_kind_precision_and_device(setup, tmp_path
             for p in Precision:
                 if p is Precision.FP32:
                     continue
-                scored = fqn in scores.index and bool(pd_finite(scores.at[fqn, (str(p), "omega")]))
+                scored = fqn in scores.index and bool(pd_finite(scores.at[fqn, (str(p), "risk")]))
                 runs_on_device = device.supports(p) and device.supports(DEFAULT_BACKWARD[p])
                 verdict = {
                     "simulator": _simulated(graph, fqn, p, device, tmp_path),
