@@ -1,0 +1,99 @@
+"""The tutorial notebooks are saved as they ran: numbered 01-06 (04, the plan tuner, may be
+missing while it is written), every code cell executed top to bottom in one run, no error
+outputs, and plotly.js embedded at most once, so that the saved figures (``text/html``
+outputs) render without a kernel. nbval re-runs them and compares the cells marked
+``# NBVAL_CHECK_OUTPUT`` (``pytest --nbval-lax notebooks/``, part of the default test run).
+
+A notebook saved without running (or edited after its run) fails here: execute it with
+``jupyter nbconvert --to notebook --execute --inplace notebooks/NN_name.ipynb``.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+REQUIRED = {"01", "02", "03", "05", "06"}
+OPTIONAL = {"04"}  # the plan tuner, being written
+NAME = re.compile(r"(0[1-6])_[a-z0-9_]+\.ipynb")
+PLOTLY_JS = re.compile(r"\* plotly\.js v\d")  # the licence header of the embedded bundle
+FIGURE = "Plotly.newPlot"
+#: plotly.js itself is ~4.9 MB; a notebook's own outputs may add at most about 1 MB more
+MAX_BYTES = 6 * 2**20
+
+
+def _paths() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text(encoding="utf-8"))["cells"]
+
+
+def _text(value) -> str:
+    return "".join(value) if isinstance(value, list) else str(value)
+
+
+def _html_outputs(cell: dict) -> list[str]:
+    return [_text(o["data"]["text/html"]) for o in cell.get("outputs", [])
+            if "text/html" in o.get("data", {})]
+
+
+def test_the_notebooks_are_numbered_01_to_06():
+    names = [p.name for p in _paths()]
+    assert all(NAME.fullmatch(n) for n in names), f"not NN_name.ipynb (01-06): {names}"
+    numbers = [NAME.fullmatch(n).group(1) for n in names]
+    assert len(numbers) == len(set(numbers)), f"two notebooks share a number: {names}"
+    assert REQUIRED <= set(numbers) <= REQUIRED | OPTIONAL, \
+        f"expected {sorted(REQUIRED)} (and optionally {sorted(OPTIONAL)}), found {names}"
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
+def test_the_notebook_opens_with_what_it_shows_and_its_runtime(path):
+    first = _cells(path)[0]
+    text = _text(first["source"])
+    assert first["cell_type"] == "markdown" and text.startswith(f"# {path.name[:2]}"), \
+        f"{path.name}: the first cell must be a markdown title '# {path.name[:2]} ...'"
+    assert re.search(r"runtime", text, flags=re.I), f"{path.name}: the first cell states no runtime"
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
+def test_every_code_cell_ran_once_top_to_bottom(path):
+    code = [c for c in _cells(path) if c["cell_type"] == "code" and _text(c["source"]).strip()]
+    counts = [c.get("execution_count") for c in code]
+    assert None not in counts, f"{path.name}: {counts.count(None)} code cells never ran; execute " \
+                               "and save the notebook"
+    assert counts == list(range(1, len(code) + 1)), \
+        f"{path.name}: execution counts {counts}: not one run from the top; re-execute it"
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
+def test_no_cell_saved_an_error(path):
+    errors = [f"{o.get('ename')}: {o.get('evalue')}" for c in _cells(path)
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{path.name}: {errors}"
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
+def test_plotly_js_is_embedded_at_most_once_before_the_first_figure(path):
+    html = [h for c in _cells(path) for h in _html_outputs(c)]
+    bundles = [i for i, h in enumerate(html) if PLOTLY_JS.search(h)]
+    figures = [i for i, h in enumerate(html) if FIGURE in h and not PLOTLY_JS.search(h)]
+    assert len(bundles) <= 1, f"{path.name}: plotly.js embedded {len(bundles)} times"
+    if figures:
+        assert bundles and bundles[0] < figures[0], \
+            f"{path.name}: figures saved without plotly.js before them; set " \
+            "plotly.io.renderers.default = 'notebook' before the first figure"
+    plotly_json_only = [o for c in _cells(path) for o in c.get("outputs", [])
+                        if "application/vnd.plotly.v1+json" in o.get("data", {})
+                        and "text/html" not in o["data"]]
+    assert not plotly_json_only, f"{path.name}: figures saved only as plotly JSON (need a kernel " \
+                                 "or an extension to render)"
+
+
+@pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
+def test_the_notebook_stays_small(path):
+    assert path.stat().st_size <= MAX_BYTES, \
+        f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB saved (limit {MAX_BYTES / 2**20:.0f} MiB)"
