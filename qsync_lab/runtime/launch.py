@@ -2,10 +2,12 @@
 
 :func:`check_run` refuses a bad run before any process starts (the plan's schema and
 cluster, the model and its fingerprint, the options, the rank count), each in one line.
-:func:`launch` then runs ``python -m torch.distributed.run … -m qsync_lab.runtime …``
-(:func:`torchrun_command`): by default the launcher's and the ranks' output go to
-``<run_dir>/launch.log`` and a progress bar follows ``metrics.jsonl``; a failed run is
-one line (the ranks' error) naming the log. ``verbose=True`` shows everything instead.
+:func:`start` then starts ``python -m torch.distributed.run … -m qsync_lab.runtime …``
+(:func:`torchrun_command`) in a session of its own, the launcher's and the ranks' output in
+``<run_dir>/launch.log``; :func:`stop_run` stops it and every rank. :func:`launch` starts
+a run and waits for it, a progress bar following ``metrics.jsonl``; a failed run is one
+line (the ranks' error, :func:`rank_error`) naming the log. ``verbose=True`` shows the
+output instead.
 
 Example::
 
@@ -31,9 +33,10 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
 
-__all__ = ["check_run", "launch", "torchrun_command"]
+__all__ = ["check_run", "launch", "rank_error", "start", "stop_run", "torchrun_command"]
 
 LOG_NAME = "launch.log"
+STOP_GRACE_S = 20.0  # torchrun's own wait for its workers is 30 s
 _POLL_S = 0.2
 
 
@@ -99,58 +102,96 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
     return plan
 
 
-def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int = 1,
-           rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
-           verbose: bool = False, progress: bool = True,
-           env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """Check the run (:func:`check_run`), run it under torchrun and return rank 0's summary
-    (None on a node that does not hold rank 0).
+def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int = 1,
+          rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
+          env: dict[str, str] | None = None, log: bool = True) -> subprocess.Popen:
+    """Check the run (:func:`check_run`) and start torchrun on it in a session of its own
+    (stop it with :func:`stop_run`), its output and the ranks' in ``<run_dir>/launch.log``
+    (``log=False``: in this process's), with ``env`` added to this process's environment.
+
+    Example: ``start(TrainConfig(plan="plan.json", run_dir="run", steps=5)).wait()``.
 
     Raises:
-        QSyncError: a check failed (nothing started), or the run failed: the ranks' error
-            and where the full log is, in one line.
+        QSyncError: a check failed (nothing started).
     """
     plan = check_run(config, nproc_per_node=nproc_per_node, nnodes=nnodes)
-    nproc = nproc_per_node or plan.world_size // nnodes
-    command = torchrun_command(config.plan, nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+    command = torchrun_command(config.plan, nproc_per_node or plan.world_size // nnodes,
+                               nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                max_restarts=max_restarts,
                                runtime_args=runtime_argv(config, threads=threads)[2:])
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, **(env or {})}
-    if verbose:
-        returncode = subprocess.run(command, env=environment, check=False).returncode
-        log = None
-    else:
-        log = run_dir / LOG_NAME
-        returncode = _quiet_run(command, environment, log, run_dir / "metrics.jsonl",
-                                config.steps, progress)
+    if not log:
+        return subprocess.Popen(command, env=environment, start_new_session=True)
+    with open(run_dir / LOG_NAME, "w", encoding="utf-8") as out:
+        return subprocess.Popen(command, env=environment, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_run(process: subprocess.Popen, run_dir: "str | os.PathLike[str] | None" = None, *,
+             grace_s: float = STOP_GRACE_S) -> None:
+    """Stop torchrun ``process``, started in a session of its own (:func:`start`), and its
+    ranks; nothing to do once it has ended.
+
+    torchrun starts each rank in a session of its own, so a SIGKILL to its process group
+    would leave them running: it gets SIGTERM, on which it stops its ranks (in about
+    1.5 s); only if it is still running after ``grace_s`` does it get SIGKILL, and so do
+    the ranks that ``run_dir/ranks/rank<N>.json`` name.
+
+    Example: ``stop_run(start(config), config.run_dir)``.
+    """
+    if process.poll() is not None:
+        return
+    _signal_group(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+        for pid in _rank_pids(run_dir):
+            _signal_group(pid, signal.SIGKILL)
+
+
+def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int = 1,
+           rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
+           verbose: bool = False, progress: bool = True,
+           env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """Start the run (:func:`start`), wait for it and return rank 0's summary (None on a
+    node that does not hold rank 0); an interrupt (Ctrl-C) stops it (:func:`stop_run`).
+
+    Raises:
+        QSyncError: a check failed (nothing started), or the run failed: the ranks' error
+            and where the full log is, in one line.
+    """
+    job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
+                env=env, log=not verbose)
+    run_dir = Path(config.run_dir)
+    log = None if verbose else run_dir / LOG_NAME
+    returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
     if returncode:
         where = f"; the full log is {log}" if log else ""
         raise QSyncError(f"the run failed (torchrun exit {returncode}): "
-                         f"{_rank_error(log)}{where}")
+                         f"{rank_error(log)}{where}")
     summary = run_dir / "summary.json"
     return json.loads(summary.read_text()) if summary.exists() else None
 
 
-def _quiet_run(command: list[str], env: dict[str, str], log: Path, metrics: Path, steps: int,
-               progress: bool) -> int:
-    """Run ``command`` with its output in ``log``, a bar following ``metrics``' lines; the
-    whole process group is stopped if this process is interrupted."""
+def _follow(job: subprocess.Popen, run_dir: Path, steps: int, *, progress: bool) -> int:
+    """Wait for ``job``, a bar following ``metrics.jsonl``'s lines; the run is stopped if
+    this process is interrupted."""
     from tqdm.auto import tqdm
 
-    with open(log, "w", encoding="utf-8") as out, \
-            tqdm(total=steps, desc="train", unit="step", disable=not progress) as bar:
-        job = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    with tqdm(total=steps, desc="train", unit="step", disable=not progress) as bar:
         try:
             while job.poll() is None:
                 time.sleep(_POLL_S)
                 _advance(bar, _count_lines(metrics))
             _advance(bar, _count_lines(metrics))
         except BaseException:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+            stop_run(job, run_dir)
             raise
     return job.returncode
 
@@ -168,8 +209,18 @@ def _count_lines(path: Path) -> int:
         return 0
 
 
-def _rank_error(log: Path | None) -> str:
-    """The ranks' one-line error from the log (the runtime prints ``… error: …``)."""
+def rank_error(log: Path | None) -> str:
+    """The ranks' one-line error from ``log`` (the runtime prints ``… error: …``; None:
+    the output went to the terminal).
+
+    Example::
+
+        >>> import pathlib, tempfile
+        >>> log = pathlib.Path(tempfile.mkdtemp()) / "launch.log"
+        >>> _ = log.write_text("W0101 warning\\nqsync_lab.runtime: error: no such file\\n")
+        >>> rank_error(log), rank_error(None)
+        ('no such file', "see the ranks' output above")
+    """
     if log is None:
         return "see the ranks' output above"
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -178,3 +229,20 @@ def _rank_error(log: Path | None) -> str:
         if found:
             return found[-1].strip()
     return lines[-1].strip() if lines else "no output"
+
+
+def _rank_pids(run_dir: "str | os.PathLike[str] | None") -> list[int]:
+    """The pids the ranks wrote to ``run_dir/ranks/rank<N>.json`` (none without a folder)."""
+    if run_dir is None:
+        return []
+    return [json.loads(p.read_text(encoding="utf-8"))["pid"]
+            for p in sorted((Path(run_dir) / "ranks").glob("rank*.json"))]
+
+
+def _signal_group(leader: int, sig: int) -> None:
+    """Send ``sig`` to the process group that ``leader`` leads, if it still does."""
+    try:
+        if os.getpgid(leader) == leader:
+            os.killpg(leader, sig)
+    except ProcessLookupError:
+        pass

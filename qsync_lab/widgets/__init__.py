@@ -2,10 +2,11 @@
 imports both, ``import qsync_lab`` does not.
 
 * :class:`PlanTuner` — controls (cluster composition, memory budgets, throughput target,
-  strategy, gradient compression), a plan summary and figures redrawn on each change,
-  export with the real cluster's command, and a local run drawn live;
+  strategy, gradient compression), a plan summary and figures redrawn on each change
+  (the strategy comparison when its tab is opened), export with the real cluster's
+  command, and a local run drawn live;
 * :func:`replan` — the same re-plan without widgets (:class:`TunerSettings` in,
-  :class:`TunerResult` out);
+  :class:`TunerResult` out), and :func:`compare_result`, its strategy comparison;
 * :func:`reshape_cluster`, :func:`export_plan`, :func:`cluster_commands`,
   :class:`LocalRun`, :func:`read_new_metrics` — its parts.
 
@@ -20,12 +21,14 @@ from qsync_lab.widgets.controls import COMPRESSIONS, TunerControls
 from qsync_lab.widgets.export import cluster_commands, export_plan
 from qsync_lab.widgets.figures import replace_figure
 from qsync_lab.widgets.local_run import LocalRun, read_new_metrics, runs_here
-from qsync_lab.widgets.replan import FIGURES, TunerResult, TunerSettings, replan, study_on
+from qsync_lab.widgets.replan import (FIGURES, TunerResult, TunerSettings, compare_result,
+                                      replan, study_on)
 from qsync_lab.widgets.shape import kind_batch_sizes, kind_counts, reshape_cluster
 from qsync_lab.widgets.summary import error_html, summary_html
-from qsync_lab.widgets.tuner import PlanTuner
+from qsync_lab.widgets.tuner import COMPARISON_TAB, TABS, PlanTuner
 
-__all__ = ["COMPRESSIONS", "FIGURES", "LocalRun", "PlanTuner", "TunerControls", "TunerResult",
-           "TunerSettings", "cluster_commands", "error_html", "export_plan", "kind_batch_sizes",
-           "kind_counts", "read_new_metrics", "replace_figure", "replan", "reshape_cluster",
-           "runs_here", "study_on", "summary_html"]
+__all__ = ["COMPARISON_TAB", "COMPRESSIONS", "FIGURES", "LocalRun", "PlanTuner", "TABS",
+           "TunerControls", "TunerResult", "TunerSettings", "cluster_commands", "compare_result",
+           "error_html", "export_plan", "kind_batch_sizes", "kind_counts", "read_new_metrics",
+           "replace_figure", "replan", "reshape_cluster", "runs_here", "study_on",
+           "summary_html"]

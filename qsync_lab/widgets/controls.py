@@ -35,7 +35,8 @@ COMPRESSIONS = (("none", ""), ("fp16", "fp16"), ("global_qsgd:8", "global_qsgd:8
 MAX_RANKS = 4096
 MAX_BATCH = 65536
 MEMORY_STEP_GIB = 0.01
-_STYLE = {"description_width": "initial"}
+_STYLE = {"description_width": "250px"}
+_LAYOUT = {"width": "520px"}  # labels of 250 px ("V100-SXM2-32GB batch per rank")
 
 
 @dataclass
@@ -67,25 +68,27 @@ class TunerControls:
                       for k in cluster.device_kinds}
         return cls(
             counts={k: widgets.BoundedIntText(n, min=0, max=MAX_RANKS, description=f"{k} ranks",
-                                              style=_STYLE)
+                                              style=_STYLE, layout=_LAYOUT)
                     for k, n in kind_counts(cluster).items()},
             batch_sizes={k: widgets.BoundedIntText(b, min=1, max=MAX_BATCH,
                                                    description=f"{k} batch per rank",
-                                                   style=_STYLE)
+                                                   style=_STYLE, layout=_LAYOUT)
                          for k, b in kind_batch_sizes(cluster).items()},
             memory_gib={k: widgets.FloatSlider(gib, min=MEMORY_STEP_GIB, max=gib,
                                                step=MEMORY_STEP_GIB, continuous_update=False,
-                                               description=f"{k} memory (GiB)", style=_STYLE)
+                                               description=f"{k} memory (GiB)", style=_STYLE,
+                                               layout=_LAYOUT)
                         for k, gib in memory_max.items()},
             throughput=widgets.FloatSlider(
                 0.0, min=0.0, max=throughput_max, step=throughput_max / 1000,
-                continuous_update=False, readout_format=".1f", style=_STYLE,
+                continuous_update=False, readout_format=".1f", style=_STYLE, layout=_LAYOUT,
                 description="throughput target (samples/s)",
                 tooltip="0: the fastest device kind's fp32 pace"),
             strategy=widgets.Dropdown(options=list(STRATEGIES), value="qsync",
-                                      description="strategy", style=_STYLE),
+                                      description="strategy", style=_STYLE, layout=_LAYOUT),
             compression=widgets.Dropdown(options=COMPRESSIONS, value="",
-                                         description="gradient compression", style=_STYLE),
+                                         description="gradient compression", style=_STYLE,
+                                         layout=_LAYOUT),
         )
 
     def settings(self) -> TunerSettings:

@@ -1,10 +1,7 @@
 """A plan trained on this machine's emulated ranks in the background: torchrun started as
-``qsync-lab run`` starts it (:mod:`qsync_lab.runtime.launch`), in a session of its own,
-``metrics.jsonl`` read as it grows, and a cancel that leaves no process behind.
-
-torchrun starts each worker in a session of its own, so killing torchrun's process group
-would orphan them: :meth:`LocalRun.cancel` sends torchrun SIGTERM (it stops its workers),
-then kills whatever is left, the workers found by the pid files they write.
+``qsync-lab run`` starts it (:func:`qsync_lab.runtime.launch.start`), ``metrics.jsonl``
+read as it grows, and a cancel that leaves no process behind
+(:func:`~qsync_lab.runtime.launch.stop_run`).
 
 Example::
 
@@ -19,7 +16,6 @@ Example::
 
 import json
 import os
-import signal
 import subprocess
 import threading
 from collections.abc import Callable
@@ -29,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from qsync_lab.cluster import Cluster
 from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
-from qsync_lab.runtime.launch import LOG_NAME, _rank_error, check_run, torchrun_command
-from qsync_lab.runtime.options import TrainConfig, runtime_argv
+from qsync_lab.runtime.launch import LOG_NAME, STOP_GRACE_S, rank_error, start, stop_run
+from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.widgets.export import PLAN_NAME
 
 if TYPE_CHECKING:
@@ -39,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalRun", "read_new_metrics", "runs_here"]
 
 POLL_S = 0.5
-STOP_GRACE_S = 20.0  # torchrun's own wait for its workers is 30 s
 
 
 def read_new_metrics(path: "str | os.PathLike[str]", offset: int) -> tuple[list[dict], int]:
@@ -93,20 +88,14 @@ class LocalRun:
         self.run_dir, self.steps = Path(run_dir), steps
         path = self.run_dir / PLAN_NAME
         plan.save(path)
-        config = TrainConfig(plan=str(path), run_dir=str(self.run_dir), steps=steps,
-                             profiles=study.profiles)
-        check_run(config)
-        threads = study.run_threads
-        command = torchrun_command(config.plan, plan.world_size,
-                                   runtime_args=runtime_argv(config, threads=threads)[2:])
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         self.predicted_step_ms = study.predict_run(plan).iteration_us / 1e3
         self.records: list[dict[str, Any]] = []
         self.cancelled = False
         self._offset = 0
-        with open(self.run_dir / LOG_NAME, "w", encoding="utf-8") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        threads = study.run_threads
+        self.process = start(TrainConfig(plan=str(path), run_dir=str(self.run_dir), steps=steps,
+                                         profiles=study.profiles), threads=threads,
+                             env={"OMP_NUM_THREADS": str(threads)} if threads else None)
 
     def poll(self) -> list[dict[str, Any]]:
         """The records written since the last call (also appended to :attr:`records`)."""
@@ -138,14 +127,7 @@ class LocalRun:
         if self.process.poll() is not None:
             return
         self.cancelled = True
-        _signal_group(self.process.pid, signal.SIGTERM)  # torchrun stops its workers
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        for pid in self._worker_pids():
-            _signal_group(pid, signal.SIGKILL)
+        stop_run(self.process, self.run_dir, grace_s=grace_s)
 
     def outcome(self) -> str:
         """One line on the ended run: measured against predicted, or why it stopped."""
@@ -154,23 +136,9 @@ class LocalRun:
             return f"cancelled after {len(self.records)} of {self.steps} steps"
         if code:
             log = self.run_dir / LOG_NAME
-            return f"the run failed (torchrun exit {code}): {_rank_error(log)}; see {log}"
+            return f"the run failed (torchrun exit {code}): {rank_error(log)}; see {log}"
         summary = json.loads((self.run_dir / "summary.json").read_text(encoding="utf-8"))
         return (f"{self.steps} steps: step time measured {summary['measured_step_ms']:.2f} ms, "
                 f"predicted {summary['predicted_step_ms']:.2f} ms "
                 f"({summary['step_error_pct']:+.1f} %); test accuracy "
                 f"{summary['test_accuracy']:.3f}; wrote {self.run_dir / 'summary.json'}")
-
-    def _worker_pids(self) -> list[int]:
-        """The pids the ranks wrote to ``ranks/rank<N>.json``."""
-        return [json.loads(p.read_text(encoding="utf-8"))["pid"]
-                for p in sorted((self.run_dir / "ranks").glob("rank*.json"))]
-
-
-def _signal_group(leader: int, sig: int) -> None:
-    """Send ``sig`` to the process group that ``leader`` leads, if it still does."""
-    try:
-        if os.getpgid(leader) == leader:
-            os.killpg(leader, sig)
-    except ProcessLookupError:
-        pass

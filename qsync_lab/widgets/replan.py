@@ -1,5 +1,7 @@
 """The tuner's re-plan, without widgets: a study and the control values in; the plan, its
-simulation and every figure out.
+simulation and its figures out (:func:`replan`). The strategy comparison re-plans every
+strategy, several times a re-plan's cost, so it is drawn apart, when asked
+(:func:`compare_result`).
 
 Example::
 
@@ -9,7 +11,9 @@ Example::
     >>> result.plan.low_precision_ops(), result.sim.world_size
     ({'V100-SXM2-32GB': 0, 'T4': 6}, 3)
     >>> sorted(result.figures)
-    ['comparison', 'indicator', 'memory', 'precision_map', 'timeline']
+    ['indicator', 'memory', 'precision_map', 'timeline']
+    >>> compare_result(result).data[0].x[:3]
+    ('fp32', 'uniform-low', 'dynamic-batching')
 """
 
 import copy
@@ -21,7 +25,6 @@ from typing import TYPE_CHECKING
 import plotly.graph_objects as go
 
 from qsync_lab.cluster import Cluster
-from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
 from qsync_lab.viz import (plot_comparison, plot_indicator, plot_memory, plot_precision_map,
                            plot_timeline)
@@ -31,10 +34,10 @@ if TYPE_CHECKING:
     from qsync_lab.simulate import SimResult
     from qsync_lab.study import Study
 
-__all__ = ["FIGURES", "TunerResult", "TunerSettings", "replan", "study_on"]
+__all__ = ["FIGURES", "TunerResult", "TunerSettings", "compare_result", "replan", "study_on"]
 
-#: the figures of a result, in the tuner's tab order
-FIGURES = ("timeline", "memory", "indicator", "comparison", "precision_map")
+#: the figures of a re-plan, in the tuner's tab order (the comparison's tab is the fourth)
+FIGURES = ("timeline", "memory", "indicator", "precision_map")
 _TOP_OPS = 40  # the indicator figure's most sensitive ops
 
 
@@ -69,9 +72,7 @@ class TunerResult:
         memory_gib: the settings' budgets of the cluster's device kinds (what was planned
             under; a kind left out had its device's memory).
         plan, sim: the plan and its simulated iteration.
-        figures: name (:data:`FIGURES`) -> figure; ``comparison`` is missing when
-            ``comparison_error`` says why.
-        comparison_error: why a strategy of the comparison failed ("" when none did).
+        figures: name (:data:`FIGURES`) -> figure.
         seconds: wall time of the re-plan, figures included.
     """
 
@@ -81,13 +82,12 @@ class TunerResult:
     plan: Plan
     sim: "SimResult"
     figures: Mapping[str, go.Figure]
-    comparison_error: str
     seconds: float
 
 
 def replan(study: "Study", settings: TunerSettings, *,
            variants: MutableMapping[str, "Study"] | None = None) -> TunerResult:
-    """Plan and simulate ``settings`` on ``study`` and draw every figure.
+    """Plan and simulate ``settings`` on ``study`` and draw the :data:`FIGURES`.
 
     ``variants`` is a dict the caller keeps across calls: the study made for each cluster
     composition is reused from it, with its warm allocator.
@@ -106,22 +106,31 @@ def replan(study: "Study", settings: TunerSettings, *,
                       strategy=settings.strategy, compression=settings.compression)
     sim = tuned.simulate(plan)
     lowest = str(tuned.low_precisions[-1])
+    scores = tuned.indicator()
+    scored = scores[scores[(lowest, "omega")].notna()]  # ops with no kernel there have none
     figures = {
         "timeline": plot_timeline(sim),
         "memory": plot_memory(sim, plan.cluster, memory_gib=memory_gib),
-        "indicator": plot_indicator(tuned.indicator(), lowest, top=_TOP_OPS,
+        "indicator": plot_indicator(scored, lowest, top=_TOP_OPS,
                                     title=f"indicator at {lowest}, most sensitive ops first"),
         "precision_map": plot_precision_map(plan, tuned.graph),
     }
-    try:
-        table = tuned.compare(memory_limit=memory_gib,
-                              throughput_target=settings.throughput_samples_per_s,
-                              compressions=[settings.compression] if settings.compression else ())
-        figures["comparison"], comparison_error = plot_comparison(table), ""
-    except QSyncError as err:
-        comparison_error = str(err).splitlines()[0]
-    return TunerResult(tuned, settings, memory_gib, plan, sim, figures, comparison_error,
+    return TunerResult(tuned, settings, memory_gib, plan, sim, figures,
                        time.perf_counter() - start)
+
+
+def compare_result(result: TunerResult) -> go.Figure:
+    """Every strategy compared under ``result``'s constraints (its compression too, as the
+    qsync plan's), drawn (:meth:`~qsync_lab.study.Study.compare`).
+
+    Raises:
+        QSyncError: a strategy of the comparison has no plan under them.
+    """
+    settings = result.settings
+    table = result.study.compare(
+        memory_limit=dict(result.memory_gib), throughput_target=settings.throughput_samples_per_s,
+        compressions=[settings.compression] if settings.compression else ())
+    return plot_comparison(table)
 
 
 def study_on(study: "Study", cluster: Cluster,

@@ -3,8 +3,12 @@
 Each change of a control re-plans once (:func:`~qsync_lab.widgets.replan.replan`) and
 redraws the summary and the figures in place; while it computes, the last result stays
 shown, and a setting without a plan shows its one-line error above the last feasible plan,
-whose figures stay. The plan exports to a folder with the command for the real cluster,
-and trains on this machine's emulated ranks with its loss and step time drawn live.
+whose figures stay. A figure's widget is made when its tab is first shown (its state
+carries plotly.js, some 5 MB a widget), and redrawn by each change after. The strategy
+comparison, which re-plans every strategy, is drawn when its tab is shown or its button
+clicked, and marked stale by a change. The plan exports to a folder with the command for
+the real cluster, and trains on this machine's emulated ranks with its loss and step time
+drawn live.
 
 Example::
 
@@ -18,12 +22,18 @@ Example::
     <div style="color:#c0392b"><b>no plan reaches the throughput target: best reachable
     >>> tuner.result.settings.strategy, tuner.result.settings.throughput_samples_per_s
     ('qsync', None)
+    >>> list(tuner.figures), tuner.tabs.titles[COMPARISON_TAB]
+    (['timeline'], 'strategies')
+    >>> tuner.tabs.selected_index = COMPARISON_TAB  # draws the comparison
+    >>> tuner.figures["comparison"].data[0].x[-1], tuner.compared is tuner.result
+    ('joint', True)
 """
 
 import html
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -36,17 +46,24 @@ from qsync_lab.widgets.controls import TunerControls
 from qsync_lab.widgets.export import cluster_commands, export_plan
 from qsync_lab.widgets.figures import replace_figure
 from qsync_lab.widgets.local_run import LocalRun
-from qsync_lab.widgets.replan import FIGURES, TunerResult, TunerSettings, replan
+from qsync_lab.widgets.replan import (FIGURES, TunerResult, TunerSettings, compare_result,
+                                      replan)
 from qsync_lab.widgets.summary import error_html, summary_html
 
-__all__ = ["PlanTuner"]
+__all__ = ["COMPARISON_TAB", "PlanTuner", "TABS"]
 
 #: the throughput slider reaches this many times the first plan's throughput
 THROUGHPUT_RANGE = 4.0
 DEFAULT_STEPS = 30
 RUNS_FOLDER = "tuner_runs"
-_TAB_TITLES = {"timeline": "timeline", "memory": "memory", "indicator": "indicator",
-               "comparison": "strategies", "precision_map": "precision map"}
+#: the tabs, name -> title: the :data:`~qsync_lab.widgets.replan.FIGURES`, the comparison
+#: fourth, then the export and the local run
+TABS = {"timeline": "timeline", "memory": "memory", "indicator": "indicator",
+        "comparison": "strategies", "precision_map": "precision map", "export": "export",
+        "run": "run locally"}
+COMPARISON_TAB = list(TABS).index("comparison")
+_STALE = ("<i>not drawn for the shown plan: click <b>Compare strategies</b> (it re-plans "
+          "every strategy)</i>")
 
 
 class PlanTuner:
@@ -64,14 +81,19 @@ class PlanTuner:
     Attributes:
         controls: the :class:`~qsync_lab.widgets.controls.TunerControls`.
         summary: the plan summary (``HTML``).
-        timeline, memory, indicator, comparison, precision_map: the figures
-            (``go.FigureWidget``).
+        figures: the ``go.FigureWidget``\\ s made so far, by name: the
+            :data:`~qsync_lab.widgets.replan.FIGURES` of each re-plan (the timeline's at
+            once, each other's when its tab is first shown), ``comparison`` (with the first
+            comparison) and ``live``, the local run's loss and step time (with the first run).
+        compare_button, comparison_status: the strategy comparison's (``Button``, ``HTML``).
         result: the last feasible :class:`~qsync_lab.widgets.replan.TunerResult`.
+        compared: the result the comparison was drawn for (None before the first).
         export_folder, export_button, export_status: the export (``Text``, ``Button``,
             ``HTML``).
-        steps, run_button, cancel_button, run_status, live: the local run (``BoundedIntText``,
-            two ``Button``\\ s, ``HTML``, ``go.FigureWidget`` of loss and step time).
+        steps, run_button, cancel_button, run_status: the local run (``BoundedIntText``,
+            two ``Button``\\ s, ``HTML``).
         local_run, run_thread: the last local run and the thread that follows it.
+        tabs: the figures, export and local run (``Tab``; :data:`TABS`).
         panel: everything, laid out (what the notebook shows).
 
     Raises:
@@ -91,10 +113,12 @@ class PlanTuner:
         self.controls = TunerControls.for_study(
             self.study, throughput_max=THROUGHPUT_RANGE * self.result.sim.throughput_samples_per_s)
         self.summary = widgets.HTML(summary_html(self.result))
-        self.timeline, self.memory, self.indicator, self.comparison, self.precision_map = (
-            go.FigureWidget(self.result.figures.get(name)) for name in FIGURES)
         for control in self.controls.all():
             control.observe(self._replan, names="value")
+        self.compare_button = widgets.Button(description="Compare strategies", icon="refresh")
+        self.comparison_status = widgets.HTML(_STALE)
+        self.compared: TunerResult | None = None
+        self.compare_button.on_click(self._compare)
         self.export_folder = widgets.Text("qsync_export", description="folder in root")
         self.export_button = widgets.Button(description="Export plan", icon="save")
         self.export_status = widgets.HTML()
@@ -103,12 +127,16 @@ class PlanTuner:
         self.run_button = widgets.Button(description="Run locally", icon="play")
         self.cancel_button = widgets.Button(description="Cancel", icon="stop", disabled=True)
         self.run_status = widgets.HTML()
-        self.live = go.FigureWidget(plot_training([]))
         self.run_button.on_click(self._start_run)
         self.cancel_button.on_click(self._cancel_run)
         self.local_run: LocalRun | None = None
         self.run_thread: threading.Thread | None = None
-        self.panel = self._layout()
+        self.figures: dict[str, go.FigureWidget] = {}
+        self._pages = self._figure_pages()
+        self.tabs = self._tabs()
+        self.tabs.observe(self._tab_shown, names="selected_index")
+        self._draw("timeline", self.result.figures["timeline"])
+        self.panel = widgets.VBox([widgets.HBox([self.controls.box(), self.summary]), self.tabs])
 
     def display(self) -> None:
         """Show the panel in the notebook."""
@@ -119,18 +147,26 @@ class PlanTuner:
     def _repr_mimebundle_(self, **kwargs):
         return self.panel._repr_mimebundle_(**kwargs)
 
-    def _figure_widgets(self) -> dict[str, go.FigureWidget]:
-        return {name: getattr(self, name) for name in FIGURES}
+    def _figure_pages(self) -> dict[str, widgets.VBox]:
+        """The box each figure's widget goes into, by figure name."""
+        return {**{name: widgets.VBox() for name in FIGURES},
+                "comparison": widgets.VBox([widgets.HBox([self.compare_button,
+                                                          self.comparison_status])]),
+                "live": widgets.VBox([widgets.HBox([self.steps, self.run_button,
+                                                    self.cancel_button]), self.run_status])}
 
-    def _layout(self) -> widgets.VBox:
-        export = widgets.VBox([widgets.HBox([self.export_folder, self.export_button]),
-                               self.export_status])
-        run = widgets.VBox([widgets.HBox([self.steps, self.run_button, self.cancel_button]),
-                            self.run_status, self.live])
-        figures = self._figure_widgets()
-        tabs = widgets.Tab(children=[*figures.values(), export, run],
-                           titles=[*(_TAB_TITLES[n] for n in figures), "export", "run locally"])
-        return widgets.VBox([widgets.HBox([self.controls.box(), self.summary]), tabs])
+    def _tabs(self) -> widgets.Tab:
+        pages = {**self._pages, "run": self._pages["live"], "export": widgets.VBox([
+            widgets.HBox([self.export_folder, self.export_button]), self.export_status])}
+        return widgets.Tab(children=[pages[name] for name in TABS], titles=list(TABS.values()))
+
+    def _draw(self, name: str, figure: go.Figure) -> None:
+        """Show ``figure`` in the widget of ``name``, made (below its page) on first use."""
+        if name in self.figures:
+            replace_figure(self.figures[name], figure)
+        else:
+            self.figures[name] = go.FigureWidget(figure)
+            self._pages[name].children += (self.figures[name],)
 
     def _replan(self, _change=None) -> None:
         """Re-plan under the controls' settings; a QSyncError goes to the summary."""
@@ -142,9 +178,34 @@ class PlanTuner:
             return
         self.result = result
         self.summary.value = summary_html(result)
-        for name, widget in self._figure_widgets().items():
-            if name in result.figures:
-                replace_figure(widget, result.figures[name])
+        for name in self.figures.keys() & result.figures.keys():
+            self._draw(name, result.figures[name])
+        self.comparison_status.value, self.compare_button.disabled = _STALE, False
+
+    def _tab_shown(self, change) -> None:
+        name = list(TABS)[change["new"]]
+        if name == "comparison":
+            self._compare()
+        elif name in FIGURES and name not in self.figures:
+            self._draw(name, self.result.figures[name])
+
+    def _compare(self, _button=None) -> None:
+        """Draw the strategies compared under the shown plan's settings (once per plan);
+        a QSyncError goes to the comparison's status, above an empty figure."""
+        result = self.result
+        if self.compared is result:
+            return
+        self.comparison_status.value = "<i>comparing every strategy…</i>"
+        start = time.perf_counter()
+        try:
+            figure = compare_result(result)
+            status = (f"every strategy under the shown plan's settings (compared in "
+                      f"{time.perf_counter() - start:.2f} s)")
+        except QSyncError as err:
+            figure, status = go.Figure(), error_html(str(err), None)
+        self._draw("comparison", figure)
+        self.compared, self.compare_button.disabled = result, True
+        self.comparison_status.value = status
 
     def _export(self, _button=None) -> None:
         """Write the shown plan into the export folder and show the cluster's command."""
@@ -170,12 +231,12 @@ class PlanTuner:
             return
         self.run_button.disabled, self.cancel_button.disabled = True, False
         self.run_status.value = f"started in <code>{html.escape(run_dir)}</code>"
+        self._draw("live", plot_training([]))
         self.run_thread = self.local_run.follow(self._show_run)
 
     def _show_run(self, run: LocalRun) -> None:
         """Redraw the live figure; once the run has ended, its outcome."""
-        replace_figure(self.live, plot_training(run.records,
-                                                predicted_step_ms=run.predicted_step_ms))
+        self._draw("live", plot_training(run.records, predicted_step_ms=run.predicted_step_ms))
         if run.process.poll() is None:
             last = run.records[-1]
             self.run_status.value = (f"step {last['step'] + 1} of {run.steps}: loss "

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.plan import Plan
-from qsync_lab.runtime.launch import torchrun_command
+from qsync_lab.runtime.launch import stop_run, torchrun_command
 from qsync_lab.runtime.tasks import load_task
 
 LAUNCH_TIMEOUT_S = 240
@@ -64,9 +63,9 @@ def launch(plan: Path, run_dir: Path, *args: str, nproc: int = 2, max_restarts: 
 
 
 def stop(job: subprocess.Popen) -> None:
-    """Kill a launch started with ``wait=False`` and all its workers, if still running."""
-    if job.poll() is None:
-        os.killpg(job.pid, signal.SIGKILL)
+    """Stop a launch started with ``wait=False`` and all its workers, if still running
+    (:func:`~qsync_lab.runtime.launch.stop_run`: SIGTERM first, SIGKILL as a last resort)."""
+    stop_run(job, job.args[job.args.index("--run-dir") + 1])
     job.communicate()
 
 

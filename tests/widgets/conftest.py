@@ -1,11 +1,11 @@
 """Fixtures of the widget tests: one small study (digits_cnn on local-hybrid), a tuner on it,
-and the timeline's bars next to the simulator's events."""
+a tab's figure shown, and the timeline's bars next to the simulator's events."""
 
 import pytest
 
 from qsync_lab import Study
 from qsync_lab.viz.common import selected_ranks
-from qsync_lab.widgets import PlanTuner
+from qsync_lab.widgets import TABS, PlanTuner
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +16,12 @@ def study():
 @pytest.fixture
 def tuner(study, tmp_path):
     return PlanTuner(study, root=tmp_path)
+
+
+def shown(tuner, name: str):
+    """The figure widget of tab ``name`` (:data:`~qsync_lab.widgets.TABS`), that tab shown."""
+    tuner.tabs.selected_index = list(TABS).index(name)
+    return tuner.figures[name]
 
 
 def timeline_bars(figure) -> list[tuple[str, float, float]]:

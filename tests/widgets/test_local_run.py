@@ -56,12 +56,12 @@ def test_a_local_run_streams_its_metrics_and_cancel_leaves_no_process(tuner):
     assert not tuner.run_thread.is_alive()
     assert tuner.run_status.value.startswith("cancelled after")
     assert not tuner.run_button.disabled and tuner.cancel_button.disabled
-    predicted = next(t for t in tuner.live.data if t.name == "predicted")
+    predicted = next(t for t in tuner.figures["live"].data if t.name == "predicted")
     assert list(predicted.y) == pytest.approx([run.predicted_step_ms] * 2)
 
 
 def _loss_points(tuner) -> int:
-    return sum(len(t.x) for t in tuner.live.data if t.name == "loss")
+    return sum(len(t.x) for t in tuner.figures["live"].data if t.name == "loss")
 
 
 def _alive(process: psutil.Process) -> bool:

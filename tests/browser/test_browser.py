@@ -1,0 +1,157 @@
+"""The plan tuner and the HTML report in a real browser: Debian's headless Chromium driven
+by selenium. Skipped, with the reason, where chromium, chromedriver, voila or selenium is
+missing (``.ci/run`` installs chromium and its driver with apt-get where it can).
+
+``QSYNC_LAB_SCREENSHOTS=1`` also saves the tuner's screenshot as
+``benchmarks/results/browser_tuner.png``.
+"""
+
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from qsync_lab.cli import LAB_NOTEBOOK, voila_command
+from qsync_lab.report import write_report
+from qsync_lab.study import Study
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+SCREENSHOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "browser_tuner.png"
+LISTEN_S = 60
+NOTEBOOK_DONE_S = 240  # Voila runs the whole notebook (the study's first plan) first
+REDRAW_S = 60
+RENDER_S = 30
+STOP_S = 30
+T4_MEMORY = "T4 memory (GiB)"
+
+
+MISSING = ([str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+           + [m for m in ("selenium", "voila") if importlib.util.find_spec(m) is None])
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} (apt-get "
+                                "install chromium chromium-driver; pip install "
+                                "'qsync_lab[test]')")
+if not MISSING:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium (1600 x 1400) through Debian's chromedriver."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1600,1400"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def tuner_url(tmp_path):
+    """``qsync-lab lab``'s Voila serving the tuner notebook, behind a fresh token; stopped
+    (its kernel too) after the test."""
+    token = secrets.token_urlsafe(16)
+    port = _free_port()
+    with open(tmp_path / "voila.log", "w") as log:
+        server = subprocess.Popen(voila_command(LAB_NOTEBOOK, port=port), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "JUPYTER_TOKEN": token})
+    _wait_listening(server, port, tmp_path / "voila.log")
+    yield f"http://127.0.0.1:{port}/?token={token}"
+    os.killpg(server.pid, signal.SIGTERM)  # Voila shuts its kernel down
+    try:
+        server.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_moving_the_memory_slider_replans_and_redraws(browser, tuner_url, tmp_path):
+    browser.get(tuner_url)
+    WebDriverWait(browser, NOTEBOOK_DONE_S).until(
+        lambda d: "paper_plan/plan.json" in d.find_element(By.TAG_NAME, "body").text
+        and _summary(d) and _timeline_svg(d))
+    summary, timeline = _summary(browser), _timeline_svg(browser)
+    before = summary.text, timeline.get_attribute("innerHTML")
+    assert "/ 1.00 GiB" in before[0]  # the notebook set the T4 budget to 1 GiB
+    readout = _slider(browser, T4_MEMORY).find_element(By.CSS_SELECTOR, ".widget-readout")
+    readout.click()
+    readout.send_keys(Keys.CONTROL, "a")
+    readout.send_keys("16", Keys.ENTER)
+    WebDriverWait(browser, REDRAW_S).until(
+        lambda d: "/ 16.00 GiB" in summary.text
+        and timeline.get_attribute("innerHTML") != before[1])
+    assert summary.text != before[0] and "still showing" not in summary.text
+    _screenshot(browser, tmp_path / "tuner.png", also=os.environ.get("QSYNC_LAB_SCREENSHOTS"))
+
+
+def test_the_report_renders_every_figure_offline(browser, tmp_path):
+    study = Study("digits_mlp", cluster="local-hybrid", progress=False)
+    path = write_report(study.plan(), tmp_path / "report.html", study=study)
+    figures = path.read_text(encoding="utf-8").count('class="plotly-graph-div"')
+    browser.get(path.as_uri())
+
+    def drawn(driver) -> int:
+        return sum(bool(f.find_elements(By.CSS_SELECTOR, "svg.main-svg"))
+                   for f in driver.find_elements(By.CSS_SELECTOR, ".plotly-graph-div"))
+
+    WebDriverWait(browser, RENDER_S).until(lambda d: drawn(d) == figures)
+    assert figures == 5  # timeline, memory, precision map, strategies, indicator
+    _screenshot(browser, tmp_path / "report.png")
+
+
+def _slider(browser, label: str):
+    """The slider whose label is ``label``."""
+    return next(s for s in browser.find_elements(By.CSS_SELECTOR, ".widget-slider")
+                if s.find_element(By.CSS_SELECTOR, ".widget-label").text == label)
+
+
+def _summary(browser):
+    """The plan summary (the HTML widget that says the predicted step time), or None."""
+    return next((h for h in browser.find_elements(By.CSS_SELECTOR, ".widget-html")
+                 if "step time predicted" in h.text), None)
+
+
+def _timeline_svg(browser):
+    """The plot of the tuner's first tab (the timeline), or None before it is drawn."""
+    return next(iter(browser.find_elements(
+        By.CSS_SELECTOR, ".widget-tab .widget-tab-contents > :first-child svg.main-svg")), None)
+
+
+def _screenshot(browser, path: Path, *, also: str | None = None) -> None:
+    """Save a screenshot at ``path``, and at :data:`SCREENSHOT` when ``also`` is "1"."""
+    assert browser.save_screenshot(str(path)), f"no screenshot at {path}"
+    if also == "1":
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, SCREENSHOT)
+
+
+def _wait_listening(server: subprocess.Popen, port: int, log: Path) -> None:
+    """Return once ``server`` accepts connections on ``port``."""
+    deadline = time.monotonic() + LISTEN_S
+    while True:
+        assert server.poll() is None, log.read_text()[-2000:]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"voila not listening after {LISTEN_S} s"
+            time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
