@@ -71,8 +71,8 @@ weights suggest). ``benchmarks/indicator_quality.py`` compares both against meas
 **The allocator's risk.** The ``risk`` column is what the allocator minimizes: ``fisher``
 by default, ω with ``risk="omega"`` (to reproduce QSync). Measured one op at a time at int8
 (``benchmarks/results/indicator_quality_cpu.txt``), ω ranks the damage well on ResNet-18
-(Spearman ρ 0.75 with the KL of the predictions, 0.87 with the gradient deviation) but not
-on a BERT-style encoder (−0.25, −0.21), while ``fisher`` reaches ≥ 0.8 on both truths on
+(Spearman ρ 0.81 with the KL of the predictions, 0.86 with the gradient deviation) but not
+on a BERT-style encoder (−0.25, −0.21), while ``fisher`` reaches 0.8–0.99 on both truths on
 ResNet-18, BERT and a GPT-style decoder. Two reasons, both visible in the per-op table:
 ω adds ``V_f``, an activation error energy, to ``V_b``, a gradient error energy, which lie
 about 10⁴–10⁵ apart (BERT's median ratio 3·10⁻⁵), so ω is ``γ·(L−d)·V_f`` in practice; and
