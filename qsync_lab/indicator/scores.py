@@ -72,13 +72,14 @@ weights suggest). ``benchmarks/indicator_quality.py`` compares both against meas
 by default, ω with ``risk="omega"`` (to reproduce QSync). Measured one op at a time at int8
 (``benchmarks/results/indicator_quality_cpu.txt``), ω ranks the damage well on ResNet-18
 (Spearman ρ 0.81 with the KL of the predictions, 0.86 with the gradient deviation) but not
-on a BERT-style encoder (−0.25, −0.21), while ``fisher`` reaches 0.8–0.99 on both truths on
-ResNet-18, BERT and a GPT-style decoder. Two reasons, both visible in the per-op table:
-ω adds ``V_f``, an activation error energy, to ``V_b``, a gradient error energy, which lie
-about 10⁴–10⁵ apart (BERT's median ratio 3·10⁻⁵), so ω is ``γ·(L−d)·V_f`` in practice; and
-``V_f`` counts error energy wherever it lands, while the loss feels it only through the
-output gradient — BERT's attention scores, feeding a saturated softmax, carry the largest
-``V_f`` (ω's ranks 1–2 of 21) and do middling harm (ranks 7–16 by the two truths), its
+on a BERT-style encoder (−0.12, −0.13), while ``fisher`` reaches 0.85–0.99 on both truths on
+ResNet-18, BERT and a GPT-style decoder. Two reasons, both visible in the per-op table
+(:attr:`~qsync_lab.indicator.quality.QualityReport.table`) of a trained BERT-mini: ω adds
+``V_f``, an activation error energy, to ``V_b``, a gradient error energy, which lie about
+10⁴–10⁵ apart (median ratio 3·10⁻⁵), so ω is ``γ·(L−d)·V_f`` in practice; and ``V_f``
+counts error energy wherever it lands, while the loss feels it only through the output
+gradient — the attention scores, feeding a saturated softmax, carry the largest ``V_f``
+(ω's ranks 1–2 of 21) and do middling harm (ranks 7–16 by the two truths); the
 embeddings, rescaled by the LayerNorm after them, carry the least ``V_f`` (ω's ranks
 18–20) and do the most harm (ranks 1–5). ``fisher`` weighs the same
 ``V_f`` by that gradient; its backward counterpart (the gradient error's effect on the
