@@ -13,7 +13,7 @@ Example::
     >>> study = qsync_lab.Study("resnet18", cluster="local-hybrid", progress=False)
     >>> plan = study.plan()
     >>> plan.low_precision_ops()
-    {'V100-SXM2-32GB': 0, 'T4': 22}
+    {'V100-SXM2-32GB': 0, 'T4': 14}
     >>> study.simulate(plan)  # doctest: +ELLIPSIS
     SimResult(2 ranks: 1 x V100-SXM2-32GB, 1 x T4; iteration ... ms, ...)
 """
