@@ -93,7 +93,7 @@ def digits_image_batch(batch_size: int, generator: torch.Generator, *, num_class
 
 
 def vector_batch(
-    batch_size: int, generator: torch.Generator, *, in_features: int = 64, num_classes: int = 10
+    batch_size: int, generator: torch.Generator, *, in_features: int = 40, num_classes: int = 10
 ) -> Batch:
     """Standard-normal feature vectors (B, in_features) and class labels (B,)."""
     features = torch.randn(batch_size, positive_int("in_features", in_features), generator=generator)

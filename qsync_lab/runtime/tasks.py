@@ -173,6 +173,10 @@ def _digits(model: str, seed: int, kwargs: dict) -> Task:
 def _mnist1d(model: str, seed: int, kwargs: dict) -> Task:
     from mnist1d.data import get_dataset_args, make_dataset
 
+    if kwargs.get("in_features", MNIST1D_LENGTH) != MNIST1D_LENGTH:
+        raise QSyncError(f"the mnist1d task's signals have {MNIST1D_LENGTH} samples; build "
+                         f"digits_mlp with in_features={MNIST1D_LENGTH}, not "
+                         f"{kwargs['in_features']!r}")
     kwargs = {**kwargs, "in_features": MNIST1D_LENGTH}
     args = get_dataset_args()
     args.seed = seed

@@ -143,7 +143,7 @@ def test_bert_mini_uses_mini_dimensions():
 
 
 def test_small_models_have_the_described_layers():
-    assert count_parameters(get_model("digits_mlp")) == (64 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
+    assert count_parameters(get_model("digits_mlp")) == (40 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
     cnn_convs = (1 * 16 * 9 + 16) + (16 * 32 * 9 + 32)
     cnn_bns = 2 * 16 + 2 * 32
     cnn_fcs = (512 * 64 + 64) + (64 * 10 + 10)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.models import get_model
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
 from qsync_lab.runtime.tasks import default_task, load_task
 
@@ -48,6 +49,14 @@ def test_synthetic_task_fits_any_zoo_model():
 def test_task_errors(args, message):
     with pytest.raises(QSyncError, match=message):
         load_task(*args)
+
+
+def test_digits_mlp_defaults_fit_its_task_and_other_widths_are_refused():
+    """A plan made for the default digits_mlp is for the model its default task trains."""
+    task = load_task(default_task("digits_mlp"), "digits_mlp")
+    assert task.build_model().fc1.in_features == get_model("digits_mlp").fc1.in_features == 40
+    with pytest.raises(QSyncError, match="in_features=40, not 64"):
+        load_task("mnist1d", "digits_mlp", in_features=64)
 
 
 def test_uneven_batches_partition_each_global_batch():
