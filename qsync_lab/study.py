@@ -220,10 +220,13 @@ class Study:
 
     def predict_run(self, plan: Plan):
         """What a local run of ``plan`` is predicted to measure: emulated device kinds
-        costed as this machine (:func:`~qsync_lab.runtime.prediction.predict_plan`)."""
-        from qsync_lab.runtime.prediction import predict_plan
+        costed as this machine (:func:`~qsync_lab.runtime.prediction.predict_plan`), with
+        the costs the run's own summary uses (the study's profiles, else the shipped CPU
+        profile)."""
+        from qsync_lab.runtime.prediction import predict_plan, run_profiles
 
-        return predict_plan(plan, self.graph, self.costs)
+        costs = self.costs if self.profiles else load_cost_model(*run_profiles())
+        return predict_plan(plan, self.graph, costs)
 
     def run(self, plan: Plan, *, steps: int = 100, run_dir: "str | os.PathLike[str]" = "qsync_run",
             verbose: bool = False, **options) -> dict[str, Any]:

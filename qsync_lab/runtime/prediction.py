@@ -27,7 +27,23 @@ from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan
 from qsync_lab.simulate import SimResult, simulate
 
-__all__ = ["emulation_view", "predict_plan"]
+__all__ = ["emulation_view", "predict_plan", "run_profiles"]
+
+
+def run_profiles(profiles: "tuple[str, ...]" = (), *, cuda: bool = False) -> tuple[str, ...]:
+    """The profile CSVs a local run's prediction reads: ``profiles``, else the shipped CPU
+    profile (none on CUDA ranks, whose kinds are costed by the catalog).
+
+    Example::
+
+        >>> [p.rsplit("/", 1)[-1] for p in run_profiles()], run_profiles(cuda=True)
+        (['cpu.csv'], ())
+    """
+    from qsync_lab.resources import data_file
+
+    if profiles or cuda:
+        return tuple(profiles)
+    return (str(data_file("profiles", "cpu.csv")),)
 
 
 def emulation_view(cluster: Cluster, costs: CostModel) -> tuple[Cluster, CostModel]:

@@ -1,0 +1,27 @@
+"""The ``Study`` facade's predictions agree with what its runs will predict."""
+
+import pytest
+
+from qsync_lab import Study
+from qsync_lab.costs import CostModel, load_cost_model
+from qsync_lab.plan import Plan
+from qsync_lab.resources import data_file
+from qsync_lab.runtime.prediction import predict_plan
+
+
+@pytest.fixture(scope="module")
+def study_and_plan():
+    study = Study("digits_cnn", cluster="local-hybrid", progress=False)
+    plan = Plan.build(study.graph, study.cluster, {"T4": {"conv2": "int8"}}, strategy="manual",
+                      model_name="digits_cnn")
+    return study, plan
+
+
+def test_predict_run_without_profiles_uses_the_runs_costs(study_and_plan):
+    """A run's summary predicts with the shipped CPU profile; so does predict_run."""
+    study, plan = study_and_plan
+    shipped = load_cost_model(str(data_file("profiles", "cpu.csv")))
+    expected = predict_plan(plan, study.graph, shipped).iteration_us
+    roofline = predict_plan(plan, study.graph, CostModel()).iteration_us
+    assert study.predict_run(plan).iteration_us == pytest.approx(expected)
+    assert expected != pytest.approx(roofline, rel=0.05)  # the two really differ
