@@ -2,7 +2,9 @@
 
 A cluster is a TOML file: a shipped one by name (``qsync-paper``, ``v100-t4-small``,
 ``local-cpu``, ``local-hybrid``) or the user's own by path. Ranks are numbered node by
-node, device group by device group, as torchrun numbers them.
+node, device group by device group, as torchrun numbers them. A cluster has at most
+:data:`~qsync_lab.limits.MAX_RANKS` ranks (counted before any is made) and per-rank batches
+of at most :data:`~qsync_lab.limits.MAX_BATCH_SIZE`.
 
 Example::
 
@@ -36,6 +38,7 @@ from qsync_lab.devices import (
     parse_link,
 )
 from qsync_lab.errors import QSyncError
+from qsync_lab.limits import MAX_BATCH_SIZE, MAX_RANKS, check_json_data
 from qsync_lab.precision import Precision
 from qsync_lab.resources import data_file
 from qsync_lab.tomlfile import TomlTable, read_toml
@@ -299,14 +302,17 @@ def cluster_from_definition(definition: Mapping[str, object], *, origin: str = "
     """
     if not isinstance(definition, Mapping):
         raise QSyncError(f"{origin}: expected a cluster table, got {type(definition).__name__}")
+    check_json_data(definition, origin)
     return _build(TomlTable(definition, origin), catalog)
 
 
 def _build(document: TomlTable, catalog: DeviceCatalog | None) -> Cluster:
     catalog = catalog if catalog is not None else load_catalog()
     document.check_keys(_CLUSTER_KEYS)
-    default_batch_size = document.positive_int("batch_size", None)
+    default_batch_size = document.positive_int("batch_size", None, maximum=MAX_BATCH_SIZE)
     node_tables = document.tables("node")
+    if len(node_tables) > MAX_RANKS:
+        raise document.error(f"{len(node_tables)} nodes, over the limit of {MAX_RANKS}", "node")
     ranks: list[RankSpec] = []
     node_names: list[str] = []
     intra_node_links: list[LinkSpec] = []
@@ -326,6 +332,10 @@ def _build(document: TomlTable, catalog: DeviceCatalog | None) -> Cluster:
             device, count, batch_size, emulate_on = _device_group(
                 catalog, group, default_batch_size
             )
+            if len(ranks) + count > MAX_RANKS:  # before making a RankSpec per rank
+                raise group.error(
+                    f"{len(ranks) + count} ranks so far, over the limit of {MAX_RANKS}", "count"
+                )
             for _ in range(count):
                 ranks.append(RankSpec(len(ranks), node, local_rank, device, batch_size, emulate_on))
                 local_rank += 1
@@ -378,8 +388,8 @@ def _device_group(
         device = catalog.device(kind).name
     except QSyncError as err:
         raise group.error(str(err), "kind") from None
-    count = group.positive_int("count", 1)
-    batch_size = group.positive_int("batch_size", default_batch_size)
+    count = group.positive_int("count", 1, maximum=MAX_RANKS)
+    batch_size = group.positive_int("batch_size", default_batch_size, maximum=MAX_BATCH_SIZE)
     if batch_size is None:
         raise group.error(
             "missing; set a positive integer here or a top-level batch_size", "batch_size"

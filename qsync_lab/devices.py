@@ -354,10 +354,13 @@ def parse_link(table: TomlTable, name: str | None = None) -> LinkSpec:
 
 
 def _lookup(specs: Mapping[str, _Spec], name: str, what: str) -> _Spec:
+    if not isinstance(name, str):
+        raise QSyncError(f"a {what} is named by text, got {type(name).__name__}; choose one of: "
+                         f"{', '.join(specs)}")
     if name in specs:
         return specs[name]
     by_lower = {known.lower(): spec for known, spec in specs.items()}
-    if isinstance(name, str) and name.lower() in by_lower:
+    if name.lower() in by_lower:
         return by_lower[name.lower()]
     raise QSyncError(
         f"unknown {what} {name!r}; choose one of: {', '.join(specs)} "

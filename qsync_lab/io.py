@@ -1,4 +1,9 @@
-"""Atomic file writes: a result is either fully written or not there at all.
+"""Writing files safely: atomically, and never through a symlink.
+
+A result is either fully written or not there at all (:func:`atomic_write_text`,
+:func:`atomic_write_bytes`); a log that grows while a run goes on is opened with
+:func:`open_log`. None of them writes through a symlink at the path: that would put the
+output wherever the link points, outside the folder the user chose.
 
 Example::
 
@@ -7,11 +12,23 @@ Example::
     >>> atomic_write_text(path, '{"ok": true}')
     >>> path.read_text()
     '{"ok": true}'
+    >>> (path.parent / "link.json").symlink_to(path)
+    >>> try:
+    ...     atomic_write_text(path.parent / "link.json", "{}")
+    ... except QSyncError as err:
+    ...     print(str(err).replace(str(path.parent), "DIR"))
+    refusing to write through the symlink DIR/link.json; remove it or choose another path
 """
 
+import errno
 import os
 import tempfile
 from pathlib import Path
+from typing import TextIO
+
+from qsync_lab.errors import QSyncError
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "open_log"]
 
 
 def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> None:
@@ -21,8 +38,14 @@ def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> None:
 
 def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file + fsync + ``os.replace``), with the
-    mode a plain ``open`` would give it (the umask's)."""
+    mode a plain ``open`` would give it (the umask's).
+
+    Raises:
+        QSyncError: ``path`` is a symlink (the rename would replace it silently).
+    """
     target = Path(path)
+    if target.is_symlink():
+        raise _symlink_error(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
@@ -35,6 +58,27 @@ def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def open_log(path: "str | os.PathLike[str]") -> TextIO:
+    """``path`` opened for writing text from its start, unless it is a symlink.
+
+    Raises:
+        QSyncError: ``path`` is a symlink.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _symlink_error(Path(path)) from None
+        raise
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
+def _symlink_error(path: Path) -> QSyncError:
+    return QSyncError(f"refusing to write through the symlink {path}; remove it or choose "
+                      "another path")
 
 
 def _umask() -> int:

@@ -6,9 +6,12 @@ granularity: :class:`~qsync_lab.policy.OpPrecision`), which optimizer the run us
 memory model counts its state) and how gradients are compressed. It carries the cluster's
 definition, not a path, so it can be moved to the cluster it is for. It is written as
 ``{"_type": "qsync_lab.Plan", "_version": 2, "_data": {...}}`` (torchao's config
-practice), atomically, and checked on load against the model and the cluster. Every
-command and function that takes a plan takes this file; version-1 files are migrated on
-load (:class:`PlanMigrationWarning` says what was filled in).
+practice), atomically, and checked in full on load: every field's type and bounds (batch
+sizes in 1..2**20, rank ids 0..world-1 in order, device kinds from the catalog, precisions
+from the policy, compression from the registry, a model name that is never a path), the
+file's size, depth and numbers (:mod:`qsync_lab.limits`), then against the model and the
+cluster. Every command and function that takes a plan takes this file; version-1 files are
+migrated on load (:class:`PlanMigrationWarning` says what was filled in).
 
 Example::
 
@@ -31,6 +34,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,8 +46,11 @@ from qsync_lab.cluster import Cluster, cluster_from_definition, list_clusters, l
 from qsync_lab.compress.spec import CompressionSettings
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_text
+from qsync_lab.limits import (MAX_BATCH_SIZE, MAX_RANKS, check_json_data, loads_json,
+                              read_bounded_bytes)
 from qsync_lab.optimizers import OPTIMIZER_STATES
 from qsync_lab.policy import KindPlan, OpPrecision
+from qsync_lab.tomlfile import TomlTable, is_text, show
 
 if TYPE_CHECKING:
     from qsync_lab.graph import OpGraph
@@ -52,9 +59,19 @@ __all__ = ["PLAN_TYPE", "SCHEMA_VERSION", "Plan", "PlanMigrationWarning", "RankP
 
 PLAN_TYPE = "qsync_lab.Plan"
 SCHEMA_VERSION = 2
+_DOCUMENT_KEYS = ("_type", "_version", "_data")
 _DATA_KEYS = ("model", "cluster", "ranks", "precisions", "optimizer", "compression",
               "strategy")
+_MODEL_KEYS = ("name", "kwargs", "fingerprint")
+_CLUSTER_KEYS = ("name", "sha256", "definition")
+_RANK_KEYS = {"rank": "an integer", "device": "a device kind", "batch_size": "an integer"}
+_V1_DATA_KEYS = ("model_fingerprint", "cluster", "ranks", "precisions", "gradient_compression",
+                 "strategy", "model")
 _V1_OPTIMIZER = "sgd_momentum"  # what a version-1 run trained with by default
+MAX_TEXT_CHARS = 256  # a fingerprint, strategy, device kind or model name
+MAX_MODEL_KWARGS = 1000  # values in a model's keyword arguments, nested ones included
+#: a zoo model's name, or a function of the user's that builds one: ``package.module:function``
+_MODEL_NAME = re.compile(r"[A-Za-z_]\w*(?:(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*)?", re.ASCII)
 
 
 class PlanMigrationWarning(UserWarning):
@@ -68,6 +85,14 @@ class RankPlan:
     rank: int
     device: str
     batch_size: int
+
+    def __post_init__(self) -> None:
+        for name, least, most in (("rank", 0, MAX_RANKS - 1), ("batch_size", 1, MAX_BATCH_SIZE)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+                raise QSyncError(f"{name}: expected an integer in {least}..{most}, got "
+                                 f"{show(value)}")
+        _check_text("device", self.device)
 
 
 @dataclass(frozen=True)
@@ -100,10 +125,21 @@ class Plan:
     model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
+        _check_text("model fingerprint", self.model_fingerprint)
+        if not 1 <= len(self.ranks) <= MAX_RANKS:
+            raise QSyncError(f"the plan has {len(self.ranks)} ranks; a plan has 1..{MAX_RANKS}")
+        for index, rank in enumerate(self.ranks):
+            if rank.rank != index:
+                raise QSyncError(f"ranks[{index}] has rank id {rank.rank}; rank ids run "
+                                 f"0..{len(self.ranks) - 1} in order, each once")
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_STATES:
+            raise QSyncError(f"unknown optimizer {show(self.optimizer)}; choose one of: "
                              f"{', '.join(OPTIMIZER_STATES)}")
         CompressionSettings.parse(_thawed(self.compression))  # checked: one-line errors
+        if not isinstance(self.strategy, str) or len(self.strategy) > MAX_TEXT_CHARS:
+            raise QSyncError(f"strategy must be text of at most {MAX_TEXT_CHARS} characters, "
+                             f"got {show(self.strategy)}")
+        _check_model(self.model_name, self.model_kwargs)
 
     @classmethod
     def build(cls, graph: "OpGraph", cluster: Cluster, precisions: Mapping[str, KindPlan], *,
@@ -241,54 +277,57 @@ class Plan:
 
     @classmethod
     def from_dict(cls, document: Any, *, origin: str = "plan") -> "Plan":
-        """Rebuild a plan from :meth:`to_dict`'s output, or migrate a version-1 document.
+        """Rebuild a plan from :meth:`to_dict`'s output, or migrate a version-1 document,
+        checked in full: types and bounds of every field, its cluster, the ranks and
+        precisions against that cluster.
 
         Raises:
             QSyncError: not a plan, a newer schema, or a malformed field, in one line.
         """
         if not isinstance(document, dict) or document.get("_type") != PLAN_TYPE:
             found = document.get("_type") if isinstance(document, dict) else type(document)
-            raise QSyncError(f"{origin} is not a qsync_lab plan (_type {found!r}, expected "
+            raise QSyncError(f"{origin} is not a qsync_lab plan (_type {show(found)}, expected "
                              f"{PLAN_TYPE!r}); write it with `qsync-lab plan` or Plan.save")
         version = document.get("_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise QSyncError(f"{origin} has an invalid _version {version!r}; expected an integer "
-                             ">= 1")
+            raise QSyncError(f"{origin} has an invalid _version {show(version)}; expected an "
+                             "integer >= 1")
         if version > SCHEMA_VERSION:
             raise QSyncError(f"{origin} has plan schema version {version}, newer than this "
                              f"qsync_lab's ({SCHEMA_VERSION}); upgrade qsync_lab")
-        data = document.get("_data")
-        if not isinstance(data, dict):
+        if not isinstance(document.get("_data"), dict):
             raise QSyncError(f"{origin} lacks its _data table; write it with Plan.save")
+        check_json_data(document, origin)
+        TomlTable(document, origin).check_keys(_DOCUMENT_KEYS)
+        data = TomlTable(document["_data"], origin, "_data")
         if version == 1:
-            data = _migrated_v1(data, origin)
-        missing = [k for k in _DATA_KEYS if k not in data]
+            data = TomlTable(_migrated_v1(data), origin, "_data")
+        missing = [k for k in _DATA_KEYS if k not in data.data]
         if missing:
             raise QSyncError(f"{origin} lacks _data.{missing[0]}; write it with Plan.save")
+        data.check_keys(_DATA_KEYS)
+        model, cluster = data.table("model"), data.table("cluster")
+        model.check_keys(_MODEL_KEYS)
+        cluster.check_keys(_CLUSTER_KEYS)
+        fields = dict(
+            model_fingerprint=model.string("fingerprint"),
+            cluster_definition=_frozen_data(cluster.table("definition").data),
+            ranks=_read_ranks(data), precisions=_read_precisions(data.table("precisions")),
+            optimizer=data.value("optimizer", "text", _is_str),
+            strategy=data.value("strategy", "text", _is_str),
+            model_name=model.value("name", "text", _is_str, ""),
+            model_kwargs=_frozen_data(model.table("kwargs", {}).data))
+        cluster.value("name", "text", _is_str, "")  # the definition's name is the one used
+        sha256 = cluster.value("sha256", "a sha256 hex digest", is_text, None)
         try:
-            model, cluster = data["model"], data["cluster"]
-            plan = cls(
-                model_fingerprint=str(model["fingerprint"]),
-                cluster_definition=_frozen_data(cluster["definition"]),
-                ranks=tuple(RankPlan(_integer(r["rank"]), str(r["device"]),
-                                     _integer(r["batch_size"])) for r in data["ranks"]),
-                precisions=_frozen({str(kind): {str(fqn): OpPrecision.parse(cfg)
-                                                for fqn, cfg in ops.items()}
-                                    for kind, ops in data["precisions"].items()}),
-                optimizer=str(data["optimizer"]),
-                compression=_frozen_data(
-                    CompressionSettings.parse(data["compression"] or None).to_dict()),
-                strategy=str(data["strategy"]), model_name=str(model.get("name", "")),
-                model_kwargs=_frozen_data(dict(model.get("kwargs", {}))))
+            compression = CompressionSettings.parse(data.data["compression"]).to_dict()
+            plan = cls(compression=_frozen_data(compression), **fields)
+            if sha256 is not None and sha256 != plan.cluster.fingerprint():
+                raise QSyncError("its cluster definition does not match its sha256 (the file "
+                                 "was edited or damaged); re-plan")
+            plan.validate()
         except QSyncError as err:
             raise QSyncError(f"{origin}: {err}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise QSyncError(f"{origin} is malformed ({type(err).__name__}: {err}); write it "
-                             "with Plan.save") from None
-        expected = cluster.get("sha256")
-        if expected is not None and expected != plan.cluster.fingerprint():
-            raise QSyncError(f"{origin}: its cluster definition does not match its sha256 "
-                             "(the file was edited or damaged); re-plan")
         return plan
 
     def save(self, path: "str | os.PathLike[str]") -> None:
@@ -298,18 +337,21 @@ class Plan:
     @classmethod
     def load(cls, path: "str | os.PathLike[str]", *, graph: "OpGraph | None" = None,
              cluster: Cluster | None = None) -> "Plan":
-        """Read a plan and check it against its cluster (or ``cluster``) and ``graph``.
+        """Read a plan (at most :data:`~qsync_lab.limits.MAX_FILE_BYTES`, strict JSON),
+        check it in full (:meth:`from_dict`) and against ``graph`` and ``cluster``.
 
         Raises:
             QSyncError: unreadable or malformed file, or see :meth:`validate`.
         """
+        origin = f"plan {path}"
         try:
-            document = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            text = read_bounded_bytes(path, origin).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise QSyncError(f"cannot read plan {path}: {first}") from None
-        plan = cls.from_dict(document, origin=f"plan {path}")
-        plan.validate(graph, cluster)
+        plan = cls.from_dict(loads_json(text, origin), origin=origin)
+        if graph is not None or cluster is not None:
+            plan.validate(graph, cluster)
         return plan
 
     def _check_cluster(self, cluster: Cluster) -> None:
@@ -328,41 +370,109 @@ class Plan:
                              f"{cluster.name!r} does not have; re-plan for this cluster")
 
 
-def _migrated_v1(data: dict, origin: str) -> dict:
+def _read_ranks(data: TomlTable) -> tuple[RankPlan, ...]:
+    """``_data.ranks``: each entry's fields present and in bounds."""
+    tables = data.tables("ranks")
+    if len(tables) > MAX_RANKS:
+        raise data.error(f"{len(tables)} entries, over the limit of {MAX_RANKS} ranks", "ranks")
+    ranks = []
+    for table in tables:
+        table.check_keys(_RANK_KEYS)
+        values = {key: table.value(key, expected, _is_any) for key, expected in _RANK_KEYS.items()}
+        try:
+            ranks.append(RankPlan(**values))
+        except QSyncError as err:
+            raise table.error(str(err)) from None
+    return tuple(ranks)
+
+
+def _read_precisions(kinds: TomlTable) -> Mapping[str, Mapping[str, OpPrecision]]:
+    """``_data.precisions``: device kind -> {op FQN -> config}, each config parsed."""
+    parsed: dict[str, dict[str, OpPrecision]] = {}
+    for kind, ops in kinds.subtables().items():
+        parsed[kind] = {}
+        for fqn, cfg in ops.data.items():
+            try:
+                parsed[kind][fqn] = OpPrecision.parse(cfg)
+            except QSyncError as err:
+                raise ops.error(str(err), fqn) from None
+    return _frozen(parsed)
+
+
+def _migrated_v1(data: TomlTable) -> dict:
     """A version-1 ``_data`` in version-2 form (the cluster read from its file or by name)."""
-    try:
-        cluster = data["cluster"]
-        source, name = Path(str(cluster["source"])), str(cluster["name"])
-        if source.is_file():
-            definition = load_cluster(source).definition
-        elif name in list_clusters():
-            definition = load_cluster(name).definition
-        else:
-            raise QSyncError(f"{origin} is a version-1 plan whose cluster file {source} is gone "
-                             f"and {name!r} is not a shipped cluster; re-plan")
-        model = data.get("model", {"name": "", "kwargs": {}})
-        migrated = {
-            "model": {**model, "fingerprint": data["model_fingerprint"]},
-            "cluster": {"name": name, "definition": definition},
-            "ranks": data["ranks"],
-            "precisions": data["precisions"],
-            "optimizer": _V1_OPTIMIZER,
-            "compression": data["gradient_compression"],
-            "strategy": data["strategy"],
-        }
-    except KeyError as err:
-        raise QSyncError(f"{origin} lacks _data.{err.args[0]}; write it with Plan.save") from None
-    warnings.warn(f"{origin} is a version-1 plan: read as version 2 with the cluster of "
-                  f"{cluster['source']}, default backward precisions and optimizer "
-                  f"{_V1_OPTIMIZER!r}; save it again to keep the version-2 form",
-                  PlanMigrationWarning, stacklevel=4)
+    data.check_keys(_V1_DATA_KEYS)
+    cluster = data.table("cluster")
+    cluster.check_keys(("name", "source"))
+    name, source = cluster.string("name"), cluster.string("source")
+    model = data.table("model", {"name": "", "kwargs": {}})
+    migrated = {
+        "model": {**model.data, "fingerprint": data.value("model_fingerprint", "text", _is_any)},
+        "cluster": {"name": name, "definition": _v1_cluster_definition(cluster, name, source)},
+        "ranks": data.value("ranks", "a list of ranks", _is_any),
+        "precisions": data.value("precisions", "a table of device kinds", _is_any),
+        "optimizer": _V1_OPTIMIZER,
+        "compression": data.value("gradient_compression", "a table", _is_any),
+        "strategy": data.value("strategy", "text", _is_any),
+    }
+    warnings.warn(f"{data.file} is a version-1 plan: read as version 2 with the cluster of "
+                  f"{source}, default backward precisions and optimizer {_V1_OPTIMIZER!r}; "
+                  "save it again to keep the version-2 form", PlanMigrationWarning, stacklevel=4)
     return migrated
 
 
-def _integer(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return value
+def _v1_cluster_definition(cluster: TomlTable, name: str, source: str) -> dict:
+    """A version-1 plan's cluster: its ``source`` if that is a regular ``.toml`` file (not
+    a symlink), else the shipped cluster ``name``."""
+    path = Path(source)
+    try:
+        is_link, exists = path.is_symlink(), path.exists()
+    except (OSError, ValueError) as err:  # a name too long, a NUL byte
+        raise cluster.error(f"cannot use {show(source)} ({err}); re-plan", "source") from None
+    if is_link:
+        raise cluster.error(f"{source} is a symlink; point source at the cluster file itself "
+                            "or re-plan", "source")
+    if exists:
+        if path.suffix != ".toml" or not path.is_file():
+            raise cluster.error(f"{source} is not a cluster .toml file; re-plan", "source")
+        return dict(load_cluster(path).definition)
+    if name in list_clusters():
+        return dict(load_cluster(name).definition)
+    raise QSyncError(f"{cluster.file} is a version-1 plan whose cluster file {source} is gone "
+                     f"and {name!r} is not a shipped cluster; re-plan")
+
+
+def _check_model(name: Any, kwargs: Any) -> None:
+    """The model's name has the form of a zoo name (an identifier), of a ``module:function``
+    spec or is empty: never a path. Its arguments are plain JSON data of bounded size.
+
+    Which zoo models exist, and which arguments they take, is checked where the model is
+    built (:func:`qsync_lab.runtime.launch.check_run`), so that loading a plan needs no torch.
+    """
+    if not isinstance(name, str) or len(name) > MAX_TEXT_CHARS:
+        raise QSyncError(f"model name must be text of at most {MAX_TEXT_CHARS} characters, "
+                         f"got {show(name)}")
+    if name and not _MODEL_NAME.fullmatch(name):
+        raise QSyncError(f"model {show(name)} is neither a zoo model name nor a "
+                         "module:function spec such as mypkg.models:build (letters, digits, _ "
+                         "and dots only); re-plan with `qsync-lab plan --model`")
+    if not isinstance(kwargs, Mapping):
+        raise QSyncError(f"model kwargs must be a table, got {show(kwargs)}")
+    check_json_data(_thawed(kwargs), "model kwargs", max_items=MAX_MODEL_KWARGS)
+
+
+def _check_text(what: str, value: Any) -> None:
+    if not is_text(value) or len(value) > MAX_TEXT_CHARS:
+        raise QSyncError(f"{what} must be non-empty text of at most {MAX_TEXT_CHARS} "
+                         f"characters, got {show(value)}")
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_any(value: Any) -> bool:
+    return True
 
 
 def _frozen(mapping: Mapping[str, Mapping]) -> Mapping[str, Mapping]:

@@ -20,8 +20,10 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.limits import MAX_INT, check_depth, read_bounded_bytes, too_deep
 
 REQUIRED = object()  # marks a TOML key without a default
+MAX_NUMBER = 1e12  # a larger number in a device, link or cluster file is a wrong unit
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,30 @@ class TomlTable:
         """A non-empty string entry."""
         return self.value(name, "a non-empty string", is_text, default)
 
-    def number(self, name: str, *, allow_zero: bool = False) -> float:
-        """A finite positive (or, with ``allow_zero``, non-negative) number entry."""
+    def number(self, name: str, *, allow_zero: bool = False,
+               maximum: float = MAX_NUMBER) -> float:
+        """A finite positive (or, with ``allow_zero``, non-negative) number entry, at most
+        ``maximum``."""
         if allow_zero:
-            return float(self.value(name, "a number >= 0", lambda v: is_number(v) and v >= 0))
-        return float(self.value(name, "a positive number", lambda v: is_number(v) and v > 0))
+            found = self.value(name, "a number >= 0", lambda v: is_number(v) and v >= 0)
+        else:
+            found = self.value(name, "a positive number", lambda v: is_number(v) and v > 0)
+        return float(self._at_most(name, found, maximum))
 
-    def positive_int(self, name: str, default: object = REQUIRED) -> int:
-        """A positive integer entry (booleans and floats are refused)."""
-        return self.value(name, "a positive integer", is_positive_int, default)
+    def positive_int(self, name: str, default: object = REQUIRED, *,
+                     maximum: int = MAX_INT) -> int:
+        """A positive integer entry, at most ``maximum`` (booleans and floats are refused).
+
+        Example::
+
+            >>> try:
+            ...     TomlTable({"count": 10**9}, "my.toml").positive_int("count", maximum=4096)
+            ... except QSyncError as err:
+            ...     print(err)
+            my.toml: count: 1000000000 is over the limit of 4096; use a smaller number
+        """
+        found = self.value(name, "a positive integer", is_positive_int, default)
+        return found if found is default else self._at_most(name, found, maximum)
 
     def table(self, name: str, default: Mapping[str, object] | object = REQUIRED) -> "TomlTable":
         """The sub-table ``name`` (``default``, e.g. ``{}``, when absent)."""
@@ -110,6 +127,12 @@ class TomlTable:
             expected = ", ".join(sorted(allowed))
             raise self.error(f"unknown key; expected one of: {expected}", unknown[0])
 
+    def _at_most(self, name: str, found: float, maximum: float) -> float:
+        if found > maximum:
+            raise self.error(f"{show(found)} is over the limit of {maximum:g}; use a smaller "
+                             "number", name)
+        return found
+
     def _child_key(self, name: str, index: int | None = None) -> str:
         key = f"{self.key}.{name}" if self.key else str(name)
         return key if index is None else f"{key}[{index}]"
@@ -127,8 +150,13 @@ def read_toml(source: "Traversable | str | os.PathLike[str]") -> TomlTable:
     path = Path(source) if isinstance(source, str | os.PathLike) else source
     document = TomlTable({}, str(path))
     try:
-        text = path.read_bytes().decode("utf-8")
-        return TomlTable(tomllib.loads(text), document.file)
+        data = (read_bounded_bytes(path, document.file) if isinstance(path, Path)
+                else path.read_bytes())  # a shipped file
+        parsed = tomllib.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise too_deep(document.file) from None
+    except QSyncError:  # over the size limit
+        raise
     except FileNotFoundError:
         raise document.error("no such file; check the path") from None
     except OSError as err:
@@ -137,6 +165,11 @@ def read_toml(source: "Traversable | str | os.PathLike[str]") -> TomlTable:
         raise document.error("invalid TOML: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as err:
         raise document.error(f"invalid TOML: {err}") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise document.error("a number has too many digits; write numbers within 64 bits") \
+            from None
+    check_depth(parsed, document.file)
+    return TomlTable(parsed, document.file)
 
 
 
@@ -150,7 +183,9 @@ def is_positive_int(value: object) -> bool:
 
 
 def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def show(value: object, limit: int = 60) -> str:

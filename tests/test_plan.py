@@ -93,7 +93,7 @@ def _v1_document(plan, cluster_source, cluster_name="v100-t4-small"):
         "precisions": {kind: {fqn: str(cfg.forward) for fqn, cfg in ops.items()}
                        for kind, ops in plan.precisions.items()},
         "gradient_compression": {}, "strategy": "qsync",
-        "model": {"name": "mlp", "kwargs": {}}}}
+        "model": {"name": "digits_mlp", "kwargs": {}}}}
 
 
 def test_a_version_1_plan_is_migrated_with_a_note(plan, graph, cluster, tmp_path):
@@ -102,7 +102,7 @@ def test_a_version_1_plan_is_migrated_with_a_note(plan, graph, cluster, tmp_path
     with pytest.warns(PlanMigrationWarning, match="version-1 plan: read as version 2"):
         old = Plan.load(path, graph=graph)
     assert old.precisions == plan.precisions and old.ranks == plan.ranks
-    assert old.optimizer == "sgd_momentum" and old.model_name == "mlp"
+    assert old.optimizer == "sgd_momentum" and old.model_name == "digits_mlp"
     assert old.cluster.fingerprint() == cluster.fingerprint()
     old.save(path)
     assert json.loads(path.read_text())["_version"] == SCHEMA_VERSION

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.tomlfile import show
 
 __all__ = ["METHODS", "CompressionSettings", "CompressionSpec"]
 
@@ -42,6 +43,8 @@ METHODS: Mapping[str, str] = {
 _DITHERING = ("standard", "exponential")
 _ROUNDING = ("stochastic", "nearest")
 _APS_FORMATS = ("fp8_e5m2", "fp8_e4m3")
+MAX_GROUP_SIZE = 2**24
+MAX_MIN_NUMEL = 2**40
 _DEFAULT_KEY = "_default"
 _REGEX_PREFIX = "re:"
 
@@ -75,32 +78,33 @@ class CompressionSpec:
     compress_1d: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise QSyncError(f"unknown compression method {self.method!r}; choose one of: "
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise QSyncError(f"unknown compression method {show(self.method)}; choose one of: "
                              f"{', '.join(METHODS)}")
         for name, ok, expected in (
                 ("bits", self._bits_ok(), self._bits_text()),
                 ("dithering", self.dithering in _DITHERING, " or ".join(_DITHERING)),
                 ("format", self.format in _APS_FORMATS, " or ".join(_APS_FORMATS)),
-                ("group_size", _positive_int(self.group_size), "a positive integer"),
+                ("group_size", _positive_int(self.group_size, MAX_GROUP_SIZE),
+                 f"an integer in 1..{MAX_GROUP_SIZE}"),
                 ("rounding", self.rounding in _ROUNDING, " or ".join(_ROUNDING)),
                 ("error_feedback", isinstance(self.error_feedback, bool), "true or false"),
-                ("min_numel", _positive_int(self.min_numel) or self.min_numel == 0,
-                 "a non-negative integer"),
+                ("min_numel", _positive_int(self.min_numel, MAX_MIN_NUMEL)
+                 or self.min_numel == 0, f"an integer in 0..{MAX_MIN_NUMEL}"),
                 ("compress_1d", isinstance(self.compress_1d, bool), "true or false")):
             if not ok:
                 raise QSyncError(f"compression {self.method}: {name} must be {expected}, got "
-                                 f"{getattr(self, name)!r}")
+                                 f"{show(getattr(self, name))}")
 
     def _bits_ok(self) -> bool:
-        if not _positive_int(self.bits):
+        if not _positive_int(self.bits, 32):
             return False
         return {"global_qsgd": self.bits in (8, 16, 32), "cgx": 1 <= self.bits <= 8,
                 "qsgd": 2 <= self.bits <= 8}.get(self.method, True)
 
     def _bits_text(self) -> str:
         return {"global_qsgd": "8, 16 or 32", "cgx": "1..8", "qsgd": "2..8"}.get(
-            self.method, "a positive integer")
+            self.method, "an integer in 1..32")
 
     @property
     def unbiased(self) -> bool:
@@ -155,20 +159,21 @@ class CompressionSpec:
         if isinstance(spec, Mapping):
             unknown = set(spec) - {f.name for f in fields(cls)}
             if unknown or "method" not in spec:
-                raise QSyncError(f"compression spec {dict(spec)!r} needs 'method' and may have "
-                                 f"{', '.join(f.name for f in fields(cls)[1:])}")
+                raise QSyncError(f"compression spec {show(dict(spec))} needs 'method' and may "
+                                 f"have {', '.join(f.name for f in fields(cls)[1:])}")
             return cls(**spec)
         if not isinstance(spec, str) or not spec.strip():
-            raise QSyncError(f"compression spec must be text like 'global_qsgd:8', got {spec!r}")
+            raise QSyncError(f"compression spec must be text like 'global_qsgd:8', got "
+                             f"{show(spec)}")
         head, *settings = spec.strip().lower().split(",")
         method, _, arg = head.partition(":")
         base = cls(method)
         if arg and method == "aps":
             base = replace(base, format=arg)
-        elif arg and method in ("global_qsgd", "cgx", "qsgd") and arg.isdigit():
+        elif arg and method in ("global_qsgd", "cgx", "qsgd") and _is_whole(arg):
             base = replace(base, bits=int(arg))
         elif arg:
-            raise QSyncError(f"cannot read compression spec {spec!r}; write method[:bits] "
+            raise QSyncError(f"cannot read compression spec {show(spec)}; write method[:bits] "
                              "(global_qsgd:8, cgx:4, qsgd:4), aps[:fp8_e4m3], fp16 or bf16, "
                              "then any ,field=value settings")
         return replace(base, **dict(_setting(item, spec) for item in settings))
@@ -197,12 +202,12 @@ class CompressionSettings:
         rules = []
         for pattern, spec in settings.items():
             if not isinstance(pattern, str):
-                raise QSyncError(f"compression pattern must be text, got {pattern!r}")
+                raise QSyncError(f"compression pattern must be text, got {show(pattern)}")
             if pattern.startswith(_REGEX_PREFIX):
                 try:
                     re.compile(pattern[len(_REGEX_PREFIX):])
                 except re.error as err:
-                    raise QSyncError(f"compression pattern {pattern!r}: {err}") from None
+                    raise QSyncError(f"compression pattern {show(pattern)}: {err}") from None
             rules.append((pattern, None if spec is None else CompressionSpec.parse(spec)))
         rules.sort(key=lambda rule: rule[0] == _DEFAULT_KEY)  # exact and re: rules first
         return cls(tuple(rules))
@@ -241,16 +246,16 @@ def _setting(item: str, spec: str) -> tuple[str, Any]:
     name, eq, text = item.strip().partition("=")
     kinds = {f.name: f.type for f in fields(CompressionSpec)[1:]}
     if not eq or name not in kinds:
-        raise QSyncError(f"cannot read {item!r} in compression spec {spec!r}; write "
+        raise QSyncError(f"cannot read {show(item)} in compression spec {show(spec)}; write "
                          f"field=value with a field among {', '.join(kinds)}")
     kind = kinds[name]
     if kind in (bool, "bool"):
         if text not in ("true", "false"):
-            raise QSyncError(f"compression spec {spec!r}: {name} must be true or false")
+            raise QSyncError(f"compression spec {show(spec)}: {name} must be true or false")
         return name, text == "true"
     if kind in (int, "int"):
-        if not text.isdigit():
-            raise QSyncError(f"compression spec {spec!r}: {name} must be a whole number")
+        if not _is_whole(text):
+            raise QSyncError(f"compression spec {show(spec)}: {name} must be a whole number")
         return name, int(text)
     return name, text
 
@@ -261,5 +266,9 @@ def _is_spec_mapping(value: Any) -> bool:
             and set(value) <= {f.name for f in fields(CompressionSpec)})
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _is_whole(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _positive_int(value: Any, maximum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= maximum

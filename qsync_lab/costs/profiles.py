@@ -48,6 +48,7 @@ Example::
 """
 
 import io
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,7 +59,9 @@ import pandas as pd
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_text
+from qsync_lab.limits import read_bounded_bytes
 from qsync_lab.precision import Precision
+from qsync_lab.tomlfile import show
 
 __all__ = ["OP_PHASES", "PROFILE_COLUMNS", "PROFILE_PHASES", "ProfileTable", "read_profile",
            "write_profile"]
@@ -145,10 +148,13 @@ def read_profile(path: "str | os.PathLike[str]") -> ProfileTable:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded_bytes(path, f"profile {path}").decode("utf-8")
     except OSError as err:
         raise QSyncError(f"cannot read profile {path}: {err.strerror}; "
                          "give the path to a profile CSV") from None
+    except UnicodeDecodeError:
+        raise QSyncError(f"profile {path} is not UTF-8 text; give the path to a profile "
+                         "CSV") from None
     lines = text.splitlines()
     meta_lines = [line for line in lines if line.startswith(_META_PREFIX)]
     body = "\n".join(line for line in lines if not line.startswith(_META_PREFIX))
@@ -189,10 +195,11 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     for col in ("batch_size", "numel", "flops", "bytes", "time_us", "repeats"):
         values = pd.to_numeric(frame[col], errors="coerce")
         negative = (values < 0) & ~signed if col == "time_us" else values < 0
-        if values.isna().any() or negative.any():
-            row = int(values.index[values.isna() | negative][0])
-            raise QSyncError(f"profile {source} row {row}: {col} must be a number >= 0, "
-                             f"got {frame[col].iloc[row]!r}")
+        bad = values.isna() | negative | (values.abs() == math.inf)
+        if bad.any():
+            row = int(values.index[bad][0])
+            raise QSyncError(f"profile {source} row {row}: {col} must be a number >= 0 and "
+                             f"finite, got {show(str(frame[col].iloc[row]))}")
         frame[col] = values
     bad_phase = ~frame["phase"].isin(PROFILE_PHASES)
     if bad_phase.any():

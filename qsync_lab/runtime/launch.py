@@ -2,12 +2,13 @@
 
 :func:`check_run` refuses a bad run before any process starts (the plan's schema and
 cluster, the model and its fingerprint, the options, the rank count), each in one line.
-:func:`start` then starts ``python -m torch.distributed.run … -m qsync_lab.runtime …``
-(:func:`torchrun_command`) in a session of its own, the launcher's and the ranks' output in
-``<run_dir>/launch.log``; :func:`stop_run` stops it and every rank. :func:`launch` starts
-a run and waits for it, a progress bar following ``metrics.jsonl``; a failed run is one
-line (the ranks' error, :func:`rank_error`) naming the log. ``verbose=True`` shows the
-output instead.
+:func:`start` then locks the run directory (one run per directory,
+:mod:`~qsync_lab.runtime.lock`) and starts ``python -m torch.distributed.run … -m
+qsync_lab.runtime …`` (:func:`torchrun_command`) in a session of its own, the launcher's
+and the ranks' output in ``<run_dir>/launch.log``; :func:`stop_run` stops it and every
+rank. :func:`launch` starts a run and waits for it, a progress bar following
+``metrics.jsonl``; a failed run is one line (the ranks' error, :func:`rank_error`) naming
+the log. ``verbose=True`` shows the output instead.
 
 Example::
 
@@ -19,6 +20,7 @@ Example::
     ['--nnodes=2', '--rdzv-backend=c10d', '--rdzv-endpoint=127.0.0.1:29400']
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -27,11 +29,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.io import open_log
 from qsync_lab.plan import Plan
+from qsync_lab.runtime.lock import LOCK_ENV, LOCK_HELD, acquire_run_lock, forget_ended_holder
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
+from qsync_lab.tomlfile import show
+
+if TYPE_CHECKING:
+    from qsync_lab.graph import OpGraph
 
 __all__ = ["check_run", "launch", "rank_error", "start", "stop_run", "torchrun_command"]
 
@@ -66,10 +74,10 @@ def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
 
 def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
               nnodes: int = 1) -> Plan:
-    """The run's plan, after every check that needs no process: the plan file, the rank
-    count, the model and the data. A model other than the plan's own (``--model``,
-    ``--model-kwargs``) is built and traced here: the plan must be for it (each rank checks
-    the plan's own model again when it builds it).
+    """The run's plan, after every check that needs no process: the plan file in full
+    (:meth:`Plan.load`), the rank count, the data, and the model: built from the zoo and
+    traced here, the plan must be for it (its fingerprint, op FQNs and compressed
+    parameters).
 
     Raises:
         QSyncError: the first problem, in one line.
@@ -92,27 +100,48 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
     if data not in TASKS:
         raise QSyncError(f"unknown --data {data!r}; choose one of: {', '.join(TASKS)}")
     model_spec(name)  # a zoo model
-    if config.model is not None or config.model_kwargs is not None:
-        from qsync_lab.graph import trace_graph
-        from qsync_lab.models import example_batch, get_model
-
-        inputs, target = example_batch(name, 2, **kwargs)
-        plan.validate(trace_graph(get_model(name, **kwargs), inputs, target=target,
-                                  loss_fn=model_spec(name).loss_fn()))
+    graph = _model_graph(name, kwargs)
+    try:
+        plan.validate(graph)
+    except QSyncError as err:
+        raise QSyncError(f"plan {config.plan}: {err}") from None
     return plan
+
+
+def _model_graph(name: str, kwargs: dict[str, Any]) -> "OpGraph":
+    """The traced graph of zoo model ``name(**kwargs)``; arguments it cannot be built with
+    (too large for memory, of the wrong kind) are a one-line error."""
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.models import example_batch, get_model, model_spec
+
+    try:
+        inputs, target = example_batch(name, 2, **kwargs)
+        model = get_model(name, **kwargs)
+    except (RuntimeError, MemoryError, OverflowError, TypeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise QSyncError(f"cannot build model {name} with kwargs {show(kwargs)} ({first}); "
+                         "fix --model-kwargs or the plan's model kwargs") from None
+    return trace_graph(model, inputs, target=target, loss_fn=model_spec(name).loss_fn())
 
 
 def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int = 1,
           rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
           env: dict[str, str] | None = None, log: bool = True) -> subprocess.Popen:
-    """Check the run (:func:`check_run`) and start torchrun on it in a session of its own
-    (stop it with :func:`stop_run`), its output and the ranks' in ``<run_dir>/launch.log``
-    (``log=False``: in this process's), with ``env`` added to this process's environment.
+    """Check the run (:func:`check_run`), lock its run directory and start torchrun on it
+    in a session of its own (stop it with :func:`stop_run`), its output and the ranks' in
+    ``<run_dir>/launch.log`` (``log=False``: in this process's), with ``env`` added to this
+    process's environment.
+
+    On one node torchrun inherits the run directory's lock
+    (:func:`~qsync_lab.runtime.lock.acquire_run_lock`), which the OS releases when it ends;
+    the ranks see ``QSYNC_RUN_LOCK=held``. On several nodes the directory may be shared, so
+    rank 0 takes the lock instead (:func:`~qsync_lab.runtime.lock.lock_for_this_process`).
 
     Example: ``start(TrainConfig(plan="plan.json", run_dir="run", steps=5)).wait()``.
 
     Raises:
-        QSyncError: a check failed (nothing started).
+        QSyncError: a check failed, or another run holds the run directory (nothing
+            started).
     """
     plan = check_run(config, nproc_per_node=nproc_per_node, nnodes=nnodes)
     command = torchrun_command(config.plan, nproc_per_node or plan.world_size // nnodes,
@@ -122,11 +151,20 @@ def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, **(env or {})}
-    if not log:
-        return subprocess.Popen(command, env=environment, start_new_session=True)
-    with open(run_dir / LOG_NAME, "w", encoding="utf-8") as out:
-        return subprocess.Popen(command, env=environment, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    with contextlib.ExitStack() as stack:
+        lock = stack.enter_context(acquire_run_lock(run_dir)) if nnodes == 1 else None
+        out = stack.enter_context(open_log(run_dir / LOG_NAME)) if log else None
+        if lock is not None:
+            environment[LOCK_ENV] = LOCK_HELD
+        else:  # rank 0 takes it
+            environment.pop(LOCK_ENV, None)
+        process = subprocess.Popen(command, env=environment, stdout=out,
+                                   stderr=None if out is None else subprocess.STDOUT,
+                                   start_new_session=True,
+                                   pass_fds=() if lock is None else (lock.fd,))
+        if lock is not None:
+            lock.hand_over(process.pid)  # torchrun holds it now
+    return process
 
 
 def stop_run(process: subprocess.Popen, run_dir: "str | os.PathLike[str] | None" = None, *,
@@ -170,6 +208,8 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
     run_dir = Path(config.run_dir)
     log = None if verbose else run_dir / LOG_NAME
     returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
+    if returncode == 0 and nnodes == 1:
+        forget_ended_holder(run_dir)  # a finished run: the next one needs no takeover note
     if returncode:
         where = f"; the full log is {log}" if log else ""
         raise QSyncError(f"the run failed (torchrun exit {returncode}): "
