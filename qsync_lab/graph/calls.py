@@ -63,7 +63,8 @@ class ScopedCalls(TorchFunctionMode):
         if is_leaf_module(module):
             self.leaf_depth += 1
 
-    def exit_module(self, fqn: str, module: nn.Module, inputs, output) -> None:
+    def exit_module(self, fqn: str, module: nn.Module, inputs: tuple, kwargs: dict,
+                    output) -> None:
         self.scope.pop()
         if is_leaf_module(module):
             self.leaf_depth -= 1
@@ -107,12 +108,12 @@ class ScopedCalls(TorchFunctionMode):
                 self._handles.append(module.register_forward_pre_hook(
                     functools.partial(_enter, self, fqn)))
                 self._handles.append(module.register_forward_hook(
-                    functools.partial(_exit, self, fqn), always_call=True))
+                    functools.partial(_exit, self, fqn), with_kwargs=True, always_call=True))
 
 
 def _enter(calls: ScopedCalls, fqn: str, module: nn.Module, args) -> None:
     calls.enter_module(fqn, module)
 
 
-def _exit(calls: ScopedCalls, fqn: str, module: nn.Module, args, output) -> None:
-    calls.exit_module(fqn, module, args, output)
+def _exit(calls: ScopedCalls, fqn: str, module: nn.Module, args, kwargs, output) -> None:
+    calls.exit_module(fqn, module, args, kwargs, output)

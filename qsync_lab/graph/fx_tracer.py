@@ -2,7 +2,8 @@
 
 Shapes are propagated with fake tensors (no arithmetic), so tracing BERT-base on a
 paper-scale batch costs no more than on a tiny one; ops without a fake kernel fall back
-to propagation with the real example inputs.
+to propagation with the real example inputs. An ``nn.MultiheadAttention`` is traced as
+its three ops (:mod:`qsync_lab.graph.attention`).
 
 Example::
 
@@ -21,16 +22,24 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from qsync_lab.graph import attention
 from qsync_lab.graph.flop_count import counted_forward_flops
 from qsync_lab.graph.kinds import COUNTED_KINDS, function_record, is_leaf_module, module_record
 from qsync_lab.graph.records import OpNamer, OpRecord, TensorMeta
 
 
 class _LeafTracer(fx.Tracer):
-    """fx tracer that keeps every op module (see ``kinds.is_leaf_module``) as one node."""
+    """fx tracer that keeps every op module (see ``kinds.is_leaf_module``) as one node, but
+    an ``nn.MultiheadAttention``, which it traces as three
+    (:func:`qsync_lab.graph.attention.split_forward`)."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return is_leaf_module(m)
+        return is_leaf_module(m) and not attention.splits(m)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        if attention.splits(m):
+            forward = functools.partial(attention.split_forward, m)
+        return super().call_module(m, forward, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -93,6 +102,8 @@ def trace_fx(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list
         rec.outputs = outputs
         if rec.kind in COUNTED_KINDS:
             rec.counted_fwd_flops = _counted_flops(node, gm)
+        if node.target is attention.mha_attention:
+            rec.saved_bytes = _core_saved_bytes(node)
         producer[node] = rec.name
         records.append(rec)
     return records
@@ -116,7 +127,9 @@ def _record(node: fx.Node, gm: fx.GraphModule, namer: OpNamer,
                       for n, p in module.named_parameters()]
     else:
         fn_name = node.target if node.op == "call_method" else node.target.__name__
-        rec = function_record(namer.function(_scope(node), fn_name), fn_name)
+        part = attention.part_name(node.target, _scope(node))
+        name = namer.function(_scope(node), fn_name) if part is None else namer.module(part)
+        rec = function_record(name, fn_name)
     for arg in _flat_args(node):
         if not isinstance(arg, fx.Node):
             continue
@@ -124,8 +137,8 @@ def _record(node: fx.Node, gm: fx.GraphModule, namer: OpNamer,
             rec.params.append((arg.target, TensorMeta.of(params[arg.target])))
             continue
         metas = _metas(arg.meta.get("tensor_meta"))
-        if metas:
-            rec.inputs.append(metas[0])
+        for meta in metas if node.target is attention.mha_attention else metas[:1]:
+            rec.inputs.append(meta)  # the core reads each projection its input op made
             rec.input_ops.append(producer.get(arg))
     return rec
 
@@ -142,6 +155,20 @@ def _counted_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
         return counted_forward_flops(None, args, kwargs, module=gm.get_submodule(node.target))
     call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
     return counted_forward_flops(call, args, kwargs)
+
+
+def _core_saved_bytes(node: fx.Node) -> int:
+    """What autograd keeps for a multi-head attention core (one ``mha_attention`` node)."""
+    def meta(arg):
+        metas = _metas(arg.meta.get("tensor_meta")) if isinstance(arg, fx.Node) else []
+        return metas[0] if metas else None
+
+    projections, key_padding_mask, attn_mask, heads, _, need_weights, _, is_causal, _ = node.args
+    _, pattern, weights, *_ = projections.args  # the in-projection's call
+    return attention.core_saved_bytes(_metas(projections.meta.get("tensor_meta")),
+                                      meta(key_padding_mask), meta(attn_mask), heads,
+                                      need_weights, is_causal,
+                                      attention.packed_in_projection(pattern, weights))
 
 
 def _meta_value(meta):

@@ -1,7 +1,8 @@
 """Record operators by running the model once: module hooks + a TorchFunctionMode.
 
 Used when torch.fx cannot trace a model (data-dependent control flow, unsupported
-Python). Op modules are recorded by forward hooks; functional calls made outside op
+Python). Op modules are recorded by forward hooks (a multi-head attention call as its three
+ops, :mod:`qsync_lab.graph.attention`); functional calls made outside op
 modules (``x + y``, ``torch.matmul``, ``x.view(...)``) by a ``TorchFunctionMode``. Data
 edges come from tensor identity. Names follow the fx tracer's scheme, so a plan keyed by
 op FQN fits either trace.
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from qsync_lab.graph import attention
 from qsync_lab.graph.calls import ScopedCalls
 from qsync_lab.graph.flop_count import counted_forward_flops
 from qsync_lab.graph.kinds import COUNTED_KINDS, function_record, is_leaf_module, module_record
@@ -41,9 +43,11 @@ class _Recorder(ScopedCalls):
             rec.counted_fwd_flops = counted_forward_flops(func, args, kwargs)
         return out
 
-    def exit_module(self, fqn: str, module: nn.Module, inputs, output) -> None:
-        super().exit_module(fqn, module, inputs, output)
-        if is_leaf_module(module) and self.leaf_depth == 0:
+    def exit_module(self, fqn: str, module: nn.Module, inputs, kwargs, output) -> None:
+        super().exit_module(fqn, module, inputs, kwargs, output)
+        if self.leaf_depth == 0 and attention.splits(module):
+            self._add_attention(fqn, module, inputs, kwargs, output)
+        elif is_leaf_module(module) and self.leaf_depth == 0:
             rec = module_record(self.namer.module(fqn), module)
             if self._add(rec, inputs, output, skip_params=True) and rec.kind in COUNTED_KINDS:
                 self.leaf_depth += 1  # the meta call below is no operator of the model
@@ -54,6 +58,21 @@ class _Recorder(ScopedCalls):
                     self.leaf_depth -= 1
             rec.params = [(f"{fqn}.{n}" if fqn else n, TensorMeta.of(p))
                           for n, p in module.named_parameters()]
+
+    def _add_attention(self, fqn: str, module: nn.Module, inputs, kwargs, output) -> None:
+        """The three records of a multi-head attention call (:mod:`qsync_lab.graph.attention`)."""
+        self.leaf_depth += 1  # the meta calls below are no operators of the model
+        try:
+            records = attention.split_records(self.namer, fqn, module, inputs, kwargs,
+                                              lambda t: self.producer.get(id(t)))
+        finally:
+            self.leaf_depth -= 1
+        out, weights = output
+        for rec, made in zip(records, (None, weights, out)):
+            if isinstance(made, torch.Tensor):
+                self.producer[id(made)] = rec.name
+                self.keep_alive.append(made)
+        self.records.extend(records)
 
     def _add(self, rec: OpRecord, inputs, output, skip_params: bool = False) -> bool:
         """Record ``rec`` if the call returned a tensor (False for shape queries)."""

@@ -73,6 +73,8 @@ _FUNCTION_KINDS = {
     "mm": "matmul",
     "bmm": "matmul",
     "scaled_dot_product_attention": "attention",
+    "mha_in_projection": "linear",  # nn.MultiheadAttention's parts (qsync_lab.graph.attention)
+    "mha_attention": "attention",
     "conv_transpose1d": "conv_transpose",
     "conv_transpose2d": "conv_transpose",
     "conv_transpose3d": "conv_transpose",

@@ -5,7 +5,9 @@ Conventions (documented once, used by every cost consumer):
 * A multiply-accumulate is 2 FLOPs. GEMM-like ops (linear, conv, matmul) count
   ``2·MACs`` forward, ``2·MACs`` for the input gradient (per operand that needs one)
   and ``2·MACs`` for the weight gradient; a bias adds one FLOP per output element
-  forward and one per output element to the weight gradient.
+  forward and one per output element to the weight gradient. A linear op with one weight
+  matrix per output (an attention in-projection with separate query, key and value
+  weights) computes output ``i`` with weight ``i``.
 * An op whose inputs are all graph inputs (data) computes no input gradient, as autograd
   does not (the first conv of a CNN has ``bwd_input_flops == 0``).
 * The kinds of :data:`~qsync_lab.graph.kinds.COUNTED_KINDS` (attention, transposed
@@ -14,7 +16,8 @@ Conventions (documented once, used by every cost consumer):
   twice that backward: a weight gradient equal to the forward when the op holds
   parameters, the rest for input gradients (attention's four backward GEMMs against its
   two forward ones). They save their inputs; attention also its output and log-sum-exp
-  rows (a multi-head attention module its projected queries, keys and values too), and
+  rows (the core of a multi-head attention module what the tracer worked out,
+  ``OpRecord.saved_bytes``: :func:`qsync_lab.graph.attention.core_saved_bytes`), and
   recurrent layers per token and layer-direction the floats of ``RECURRENT_SAVED_FLOATS``
   (measured with ``saved_tensors_hooks`` on CPU).
 * Element-wise kinds use nominal FLOPs per element (table ``ELEMENTWISE_FLOPS``); they
@@ -159,11 +162,13 @@ def _count_gemm(rec: OpRecord, out_numel: int) -> tuple[int, int, int, tuple[int
     weights = [m for _, m in rec.params if len(m.shape) >= 2]
     biases = [m for _, m in rec.params if len(m.shape) == 1]
     if weights:  # a weighted layer: activation input(s) x weight
-        w = weights[0]
-        reduce_dim = w.numel // w.shape[0]  # in_features, or C_in/groups * prod(kernel)
-        macs = out_numel * reduce_dim
+        # in_features, or C_in/groups * prod(kernel); output i of weight i when there are
+        # as many (an attention in-projection's separate query, key and value weights)
+        pairs = zip(rec.outputs, weights) if len(weights) == len(rec.outputs) else \
+            ((out, weights[0]) for out in rec.outputs)
+        macs = sum(out.numel * (w.numel // w.shape[0]) for out, w in pairs)
         bias = out_numel if biases else 0
-        return 2 * macs + bias, 2 * macs, 2 * macs + bias, (0,), 0
+        return 2 * macs + bias, 2 * macs, 2 * macs + bias, tuple(range(len(rec.inputs))), 0
     a = rec.inputs[0]
     reduce_dim = a.shape[-1] if a.shape else 1
     macs = out_numel * reduce_dim
@@ -177,14 +182,17 @@ def _count_counted(rec: OpRecord) -> tuple[int, int, int, tuple[int, ...], int]:
         return 0, 0, 0, (), 0
     weight_grad = fwd if rec.params else 0
     extra = 0
-    if rec.kind == "attention":
+    saved = tuple(range(len(rec.inputs)))
+    if rec.saved_bytes is not None:  # worked out by the tracer
+        extra, saved = rec.saved_bytes, ()
+    elif rec.kind == "attention":
         out = rec.outputs[0]
         extra = out.nbytes + 4 * out.numel // max(1, out.shape[-1] if out.shape else 1)
-        if rec.params:  # nn.MultiheadAttention: its projected queries, keys and values too
+        if rec.params:  # an unsplit nn.MultiheadAttention: its projections too
             extra += 3 * out.nbytes
     elif rec.kind == "recurrent":
         extra = _recurrent_saved_bytes(rec)
-    return fwd, 2 * fwd - weight_grad, weight_grad, tuple(range(len(rec.inputs))), extra
+    return fwd, 2 * fwd - weight_grad, weight_grad, saved, extra
 
 
 def _recurrent_saved_bytes(rec: OpRecord) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.graph.attention import splits
 from qsync_lab.graph.fx_tracer import trace_fx
 from qsync_lab.graph.hook_tracer import trace_hooks
 from qsync_lab.graph.kinds import VIEW_KINDS
@@ -151,7 +152,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
     if (target is None) != (loss_fn is None):
         raise QSyncError("give both target and loss_fn to trace the loss, or neither")
     root = model
-    if loss_fn is not None or keywords:
+    if loss_fn is not None or keywords or splits(model):  # fx traces a root's forward as is
         root = _with_loss(model, loss_fn, len(inputs), keywords=keywords)
         inputs = (*inputs, target) if loss_fn is not None else inputs
     with preserved_state(model), torch.no_grad():

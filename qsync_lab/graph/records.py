@@ -77,6 +77,10 @@ class OpRecord:
         counted_fwd_flops: forward FLOPs ``torch.utils.flop_counter`` counted for the call
             (:mod:`qsync_lab.graph.flop_count`), for the kinds counted so (None otherwise,
             or when the call has no meta kernel).
+        saved_bytes: every byte autograd keeps for the call, when the tracer works it out
+            (the core of a multi-head attention,
+            :func:`qsync_lab.graph.attention.core_saved_bytes`); None: the kind's rule
+            (:mod:`qsync_lab.graph.opcount`).
     """
 
     name: str
@@ -88,6 +92,7 @@ class OpRecord:
     params: list[tuple[str, TensorMeta]] = field(default_factory=list)
     plan_refusal: str = ""
     counted_fwd_flops: int | None = None
+    saved_bytes: int | None = None
 
 
 class OpNamer:

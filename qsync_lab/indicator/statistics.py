@@ -1,8 +1,10 @@
 """Per-operator statistics for the indicator, gathered with hooks over calibration batches.
 
-For every call of a scorable operator (linear, conv, matmul, embedding modules, and the
+For every call of a scorable operator (linear, conv, matmul, embedding modules, the
 functional matmul and linear calls a plan can set, named as the tracers name them with
-:class:`~qsync_lab.graph.ScopedCalls`) and every batch,
+:class:`~qsync_lab.graph.ScopedCalls`, and the in- and out-projections of a multi-head
+attention module, which runs as its three ops during calibration:
+:mod:`qsync_lab.graph.attention`) and every batch,
 :func:`collect_statistics` records one row: multiply-adds ``macs``; element counts
 ``numel_a`` (first operand: the activation input), ``numel_b`` (second operand: the weight,
 or the second activation of a matmul) and ``numel_g`` (the output gradient); squared norms
@@ -34,9 +36,11 @@ from collections.abc import Iterable, Sequence
 import pandas as pd
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.graph.attention import in_proj_name, projection_weights, split_forward, splits
 from qsync_lab.graph.calls import ScopedCalls
 from qsync_lab.graph.kinds import function_kind, module_kind
 from qsync_lab.graph.records import op_name_of
@@ -124,12 +128,14 @@ class _Recorder:
         self.weight_stats: dict[str, dict] = {}  # weights do not change during calibration
 
     def attach(self) -> list:
-        """Hooks on the scored modules, and a mode around every forward for the functional
-        matmuls and linears; their handles."""
+        """Hooks on the scored modules, the split forward of the attention modules, and a
+        mode around every forward for the functional matmuls and linears; their handles."""
         handles = []
         for fqn, module in self.model.named_modules():
             kind = module_kind(module)
-            if kind in SCORED_KINDS:
+            if splits(module):
+                handles.append(_SplitAttention(self, fqn, module))
+            elif kind in SCORED_KINDS:
                 handles.append(module.register_forward_hook(
                     lambda m, args, out, fqn=fqn, kind=kind: self._forward(
                         self._name(fqn), kind, *_operands(kind, m, args), out,
@@ -190,6 +196,34 @@ class _Recorder:
     def _backward(self, row: dict, grad: torch.Tensor) -> None:
         with torch.no_grad():
             row.update(_stats("g", grad, self.grad_formats, "nearest"))
+
+    def _in_projection(self, name: str, gemms: list[tuple], params: list) -> None:
+        """The row of an attention in-projection from its GEMMs ``(x, weight, out)``: one
+        bilinear op whose operands are the distinct inputs and the weights, each flattened
+        and concatenated (exact for self-attention's one GEMM), and whose output gradient is
+        the outputs' together."""
+        inputs = list({id(x): x for x, _, _ in gemms}.values())
+        with torch.no_grad():
+            a = torch.cat([x.detach().reshape(-1) for x in inputs])
+            row = {"op": name, "kind": "linear",
+                   "macs": sum(out.numel() * (w.numel() // w.shape[0]) for _, w, out in gemms),
+                   "numel_a": a.numel(), "numel_b": sum(w.numel() for _, w, _ in gemms),
+                   "numel_g": sum(out.numel() for _, _, out in gemms), "_params": params}
+            row.update(self._operand_stats("a", a))
+            if name not in self.weight_stats:
+                b = torch.cat([w.detach().reshape(-1) for _, w, _ in gemms])
+                self.weight_stats[name] = self._operand_stats("b", b)
+            row.update(self.weight_stats[name])
+        self.rows.append(row)
+        for _, _, out in gemms:
+            if out.requires_grad:
+                out.register_hook(lambda g, row=row: self._add_backward(row, g))
+
+    def _add_backward(self, row: dict, grad: torch.Tensor) -> None:
+        """Add one output's gradient statistics to ``row`` (an op with several outputs)."""
+        with torch.no_grad():
+            for key, value in _stats("g", grad, self.grad_formats, "nearest").items():
+                row[key] = row.get(key, 0.0) + value
 
     def _operand_stats(self, role: str, t: torch.Tensor) -> dict[str, float]:
         return _stats(role, t, self.precisions, self.rounding)
@@ -320,6 +354,34 @@ class _NormGeometry:
 
 def _dot(weights: torch.Tensor, values: torch.Tensor) -> float:
     return float((weights.double() * values.double()).sum())
+
+
+class _SplitAttention:
+    """Runs a multi-head attention module as its three ops while attached (its forward:
+    :func:`~qsync_lab.graph.attention.split_forward`), so its ``out_proj`` hook sees the
+    out-projection and the recorder the in-projection."""
+
+    def __init__(self, recorder: _Recorder, fqn: str, module: nn.Module) -> None:
+        self.recorder, self.fqn, self.module = recorder, fqn, module
+        module.forward = self.forward
+
+    def forward(self, *args, **kwargs):
+        name = self.recorder._name(in_proj_name(self.fqn))
+        gemms: list[tuple] = []
+
+        def linear(x, weight, bias):
+            out = F.linear(x, weight, bias)
+            gemms.append((x, weight, out))
+            return out
+
+        result = split_forward(self.module, *args, **kwargs, linear=linear)
+        params = [p for p in (*projection_weights(self.module), self.module.in_proj_bias)
+                  if p is not None]
+        self.recorder._in_projection(name, gemms, params)
+        return result
+
+    def remove(self) -> None:
+        del self.module.forward
 
 
 class _FunctionalCalls(ScopedCalls):

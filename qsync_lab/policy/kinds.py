@@ -3,7 +3,9 @@
 =============================  =======================================  ==========================
 op kind                        precisions a plan may give it            calls a plan can set
 =============================  =======================================  ==========================
-linear                         every precision                          modules, ``F.linear``
+linear                         every precision                          modules, ``F.linear``,
+                                                                        the in-projection of
+                                                                        ``nn.MultiheadAttention``
 conv1d, conv2d, conv3d         every precision                          modules
 matmul                         every precision                          ``op_kind = "matmul"``
                                                                         modules, ``torch.matmul``,
@@ -80,7 +82,8 @@ _NORM = frozenset({Precision.FP32, Precision.FP16, Precision.BF16})
 
 #: op kind -> its rule; kinds not listed follow their inputs
 PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
-    "linear": KindRule(_EVERY, "torch.nn.Linear", True, frozenset({"linear"})),
+    "linear": KindRule(_EVERY, "torch.nn.Linear", True,
+                       frozenset({"linear", "mha_in_projection"})),
     "conv1d": KindRule(_EVERY, "torch.nn.Conv1d", True),
     "conv2d": KindRule(_EVERY, "torch.nn.Conv2d", True),
     "conv3d": KindRule(_EVERY, "torch.nn.Conv3d", True),

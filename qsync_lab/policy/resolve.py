@@ -4,8 +4,9 @@ A plan names ops of the kinds in :data:`~qsync_lab.policy.kinds.PLANNABLE_KINDS`
 other op follows QSync's policy:
 
 * ``view`` ops alias their input and take its precision;
-* ``softmax``, ``loss``, ``add`` and GELU activations run in fp32 (QSync's deny list), as
-  do plannable ops the plan leaves out;
+* ``softmax``, ``loss``, ``add``, ``attention`` (a softmax inside: scaled dot-product
+  attention, the core of ``nn.MultiheadAttention``) and GELU activations run in fp32
+  (QSync's deny list), as do plannable ops the plan leaves out;
 * the rest (activations, dropout, mul, pooling, ...) inherit their producers' output
   precision when all float producers agree, else run in fp32 (AMP's promote rule).
 
@@ -42,7 +43,7 @@ from qsync_lab.precision import Precision
 __all__ = ["ROUNDED_OUTPUTS", "KindPlan", "PrecisionAssignment", "output_precision", "re_resolve",
            "resolve_precisions", "storage_precision", "validate_plan"]
 
-_FP32_KINDS = frozenset({"softmax", "loss", "add"})
+_FP32_KINDS = frozenset({"softmax", "loss", "add", "attention"})
 _FP32_ACTIVATIONS = ("gelu",)
 #: formats whose values an op writes as they are; every other precision writes fp32
 ROUNDED_OUTPUTS = frozenset({Precision.FP16, Precision.BF16})

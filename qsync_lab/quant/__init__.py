@@ -9,6 +9,9 @@ policy's decision (:mod:`qsync_lab.policy`); this package carries it out:
   :mod:`~qsync_lab.quant.functional`). int8 follows QSync: int8×int8→int32 forward with
   per-tensor or per-channel scales and a dequantized fp32 output, backward in fp16 (or
   bf16/tf32/fp32) into the fp32 master weights, int8 codes saved for backward.
+* the in- and out-projections of ``nn.MultiheadAttention`` (``attn.in_proj``,
+  ``attn.out_proj``) run as linears, its attention core in fp32
+  (:mod:`~qsync_lab.quant.attention`).
 * norms run in fp32, fp16 or bf16 (fp16/bf16 I/O, fp32 math).
 * On CUDA the native kernels run (``torch._int_mm``, ``torch._scaled_mm``, fp16/bf16 GEMMs);
   on the CPU an exact fp32 emulation of the same numerics (``gemm.py``).

@@ -31,17 +31,22 @@ from torch import nn
 
 from qsync_lab.devices import DeviceSpec, load_catalog
 from qsync_lab.errors import QSyncError
+from qsync_lab.graph.attention import in_proj_name, splits
 from qsync_lab.graph.kinds import function_kind, is_leaf_module, module_kind
 from qsync_lab.policy import (PLANNABLE_KINDS, OpPrecision, check_op_precision,
                               function_refusal, module_refusal)
+from qsync_lab.quant.attention import (InProjectionHandler, attention_modules,
+                                       attention_refusal, in_proj_precision,
+                                       sync_attention_classes_)
 from qsync_lab.quant.functional import functional_precisions
 from qsync_lab.quant.modules import LowPrecisionOp
-from qsync_lab.quant.registry import current_precision, handler_for
+from qsync_lab.quant.registry import OpHandler, current_precision, handler_for
 
 __all__ = ["apply_plan_", "describe_precisions", "restore_rounding_counters",
            "rounding_counters"]
 
 PrecisionSpec = str | OpPrecision | Mapping[str, str]
+_IN_PROJECTION = InProjectionHandler()
 DESCRIBE_COLUMNS = ["kind", "forward", "backward", "rounding", "granularity"]
 _FUNCTIONAL_NAME = re.compile(r"^(?P<op>[A-Za-z]\w*?)(?:_(?P<count>\d+))?$")
 
@@ -53,19 +58,42 @@ def _device_spec(device: str | DeviceSpec | None) -> DeviceSpec | None:
 
 
 def _plannable_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """FQN -> (module, kind) of every module a plan can set."""
-    found = {}
+    """FQN -> (module, kind) of every module a plan can set; an attention module's
+    in-projection maps to the attention module, as a linear
+    (:mod:`qsync_lab.quant.attention`)."""
+    found, unused = {}, set()
     for fqn, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            if splits(module):
+                found[in_proj_name(fqn)] = (module, "linear")
+            else:  # one attention op: its out_proj's forward never runs
+                unused.add(f"{fqn}.out_proj".lstrip("."))
+            continue
         kind = module_kind(module)
-        if kind in PLANNABLE_KINDS and module_refusal(module, kind) is None:
+        if kind in PLANNABLE_KINDS and fqn not in unused and module_refusal(module, kind) is None:
             found[fqn] = (module, kind)
     return found
+
+
+def _handler(module: nn.Module, kind: str) -> OpHandler:
+    """The handler of a plannable op (an attention module planned as a linear is its
+    in-projection)."""
+    return _IN_PROJECTION if isinstance(module, nn.MultiheadAttention) else handler_for(kind)
+
+
+def _current_precision(module: nn.Module) -> OpPrecision:
+    if isinstance(module, nn.MultiheadAttention):
+        return in_proj_precision(module)
+    return current_precision(module)
 
 
 def _module_target(model: nn.Module, fqn: str, plannable: Mapping) -> tuple[nn.Module, str]:
     """The module ``fqn`` names and its kind, or a one-line QSyncError saying why not."""
     if fqn in plannable:
         return plannable[fqn]
+    refusal = attention_refusal(model, fqn)
+    if refusal:
+        raise QSyncError(f"op {fqn!r}: {refusal}")
     module = model.get_submodule(fqn)
     kind = module_kind(module)
     if kind is None:
@@ -109,7 +137,9 @@ def apply_plan_(model: nn.Module, precisions: Mapping[str, PrecisionSpec | None]
     Args:
         model: the model. Op FQNs are those of :func:`qsync_lab.graph.trace_graph`: module
             names for module ops, ``scope.fn`` / ``scope.fn_1`` for functional matmuls and
-            linears (:mod:`qsync_lab.quant.functional`).
+            linears (:mod:`qsync_lab.quant.functional`), ``attn.in_proj`` and
+            ``attn.out_proj`` for the projections of an ``nn.MultiheadAttention``
+            (:mod:`qsync_lab.quant.attention`).
         precisions: op FQN -> precision name, :class:`~qsync_lab.policy.OpPrecision` or
             mapping (``{"forward": "int8", "backward": "bf16", "rounding": "stochastic",
             "granularity": "channel"}``).
@@ -140,7 +170,8 @@ def apply_plan_(model: nn.Module, precisions: Mapping[str, PrecisionSpec | None]
             raise QSyncError(f"op {fqn!r}: {err}") from None
         (functions if module is None else modules).append((fqn, module, kind, cfg))
     for fqn, module, kind, cfg in modules:
-        handler_for(kind).apply(module, cfg, fqn)
+        _handler(module, kind).apply(module, cfg, fqn)
+    sync_attention_classes_(model)
     if functions:
         controller = functional_precisions(model, create=True)
         for fqn, _, _, cfg in functions:
@@ -154,7 +185,7 @@ def describe_precisions(model: nn.Module) -> pd.DataFrame:
         DataFrame indexed by op FQN (``fqn``) with columns kind, forward, backward,
         rounding, granularity (strings).
     """
-    rows = {fqn: {"kind": kind, **current_precision(module).to_dict()}
+    rows = {fqn: {"kind": kind, **_current_precision(module).to_dict()}
             for fqn, (module, kind) in _plannable_modules(model).items()}
     controller = functional_precisions(model)
     for fqn, cfg in (controller.configs if controller else {}).items():
@@ -169,6 +200,9 @@ def rounding_counters(model: nn.Module) -> dict[str, int]:
     """Each low-precision op's stochastic-rounding call counter, by op FQN."""
     counters = {name: module.op_calls for name, module in model.named_modules()
                 if isinstance(module, LowPrecisionOp)}
+    counters.update({in_proj_name(name): module.in_proj_calls
+                     for name, module in attention_modules(model)
+                     if hasattr(module, "in_proj_calls")})
     controller = functional_precisions(model)
     counters.update(controller.calls if controller else {})
     return counters
@@ -177,10 +211,14 @@ def rounding_counters(model: nn.Module) -> dict[str, int]:
 def restore_rounding_counters(model: nn.Module, counters: Mapping[str, int]) -> None:
     """Set the counters saved by :func:`rounding_counters` (same plan, same FQNs)."""
     modules = dict(model.named_modules())
+    in_projections = {in_proj_name(name): module for name, module in attention_modules(model)
+                      if hasattr(module, "in_proj_calls")}
     controller = functional_precisions(model)
     for name, calls in counters.items():
         if isinstance(modules.get(name), LowPrecisionOp):
             modules[name].op_calls = calls
+        elif name in in_projections:
+            in_projections[name].in_proj_calls = calls
         elif controller is not None and name in controller.calls:
             controller.calls[name] = calls
         else:

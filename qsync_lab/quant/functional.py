@@ -1,4 +1,6 @@
-"""Functional operators in low precision: ``torch.matmul``, ``@``, ``mm``, ``bmm``, ``F.linear``.
+"""Functional operators in low precision: ``torch.matmul``, ``@``, ``mm``, ``bmm``, ``F.linear``
+(and the in-projection of a multi-head attention traced by torch.fx,
+:func:`~qsync_lab.graph.attention.mha_in_projection`).
 
 A functional call has no module to swap, so a plan names it by its op FQN (``scope.matmul``,
 ``scope.matmul_1``; :mod:`qsync_lab.graph.calls`) and :class:`FunctionalPrecisions`, a mode
@@ -26,11 +28,13 @@ import zlib
 from torch import nn
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.graph.attention import IN_PROJECTION_FUNCTION, in_projection
 from qsync_lab.graph.calls import ScopedCalls
 from qsync_lab.graph.records import op_name_of
 from qsync_lab.policy import OpPrecision
 from qsync_lab.quant.functions import bilinear
 from qsync_lab.quant.gemm import LinearKernel, MatMulKernel
+from qsync_lab.quant.attention import projection_linear
 from qsync_lab.quant.modules import stream_seeds
 
 __all__ = ["FunctionalPrecisions", "functional_precisions", "low_precision_call"]
@@ -45,6 +49,10 @@ def low_precision_call(fn_name: str, args: tuple, kwargs: dict, cfg: OpPrecision
     if op in ("matmul", "mm", "bmm") and len(args) == 2 and not kwargs:
         a, b = (args[1], args[0]) if fn_name == "__rmatmul__" else args
         return bilinear(MatMulKernel(), a, b, None, cfg, seeds)
+    if op == IN_PROJECTION_FUNCTION and not kwargs:  # a multi-head attention's in-projection
+        sources, pattern, weights, bias, batch_first = args
+        return in_projection(sources, pattern, weights, bias, batch_first,
+                             projection_linear(cfg, seeds * 3))
     if op == "linear" and 2 <= len(args) + len(kwargs) <= 3 and set(kwargs) <= {"bias"}:
         x, weight, *rest = args
         return bilinear(LinearKernel(), x, weight, rest[0] if rest else kwargs.get("bias"),

@@ -104,7 +104,8 @@ def test_attention_recurrent_and_transformer_layers_are_ops_of_their_kind():
     assert nn.modules.transformer._get_seq_len(torch.zeros(2, 5, 3), True) == 5  # restored
     assert (g.ops["kind"] != "other").all(), g.ops[g.ops["kind"] == "other"]["target"]
     assert (g.ops["kind"] == "attention").sum() == 2  # one MultiheadAttention per layer
-    assert (g.ops["kind"] == "linear").sum() == 2 * 2 + 1  # each layer's FFN, the head
+    # each layer's in- and out-projection and FFN, the head
+    assert (g.ops["kind"] == "linear").sum() == 2 * 4 + 1
     lstm = trace_graph(family_model("lstm_tagger"), family_batch("lstm_tagger", 2)[0])
     assert lstm.ops.loc["lstm", "kind"] == "recurrent"
     gpt = trace_graph(family_model("gpt_decoder"), family_batch("gpt_decoder", 2)[0])
@@ -133,9 +134,12 @@ def test_both_tracers_count_attention_and_transposed_convolutions(method):
     assert ops.loc["up", "fwd_flops"] == 2 * 2 * 4 * 2 * 9 * 25  # every input pixel x kernel
     assert ops.loc["up", "kind"] == "conv_transpose"
     assert ops.loc["einsum", "fwd_flops"] == 2 * 2 * 6 * 8 * 6
-    projections, scores = 4 * 2 * 2 * 6 * 8 * 8, 2 * 2 * 2 * 6 * 6 * 8
-    assert ops.loc["mha", "fwd_flops"] == projections + scores
-    assert ops.loc["mha", "bwd_weight_flops"] == ops.loc["mha", "fwd_flops"]
+    projection, scores = 2 * 2 * 6 * 8 * 8, 2 * 2 * 2 * 6 * 6 * 8  # each, and both bmm
+    bias = 2 * 6 * 8
+    assert ops.loc["mha.in_proj", "fwd_flops"] == 3 * (projection + bias)
+    assert ops.loc["mha", "fwd_flops"] == scores  # nn.MultiheadAttention as three ops
+    assert ops.loc["mha.out_proj", "fwd_flops"] == projection + bias
+    assert ops.loc["mha", "bwd_weight_flops"] == 0
 
 
 def test_a_call_without_a_meta_kernel_is_uncounted_not_an_error():
