@@ -406,12 +406,9 @@ def _cmd_run(args) -> None:
     if summary is None:
         print(f"this node's ranks finished; rank 0's node writes {config.run_dir}/summary.json")
         return
-    print(f"{summary['model']} on {summary['cluster']}: {summary['steps']} steps, test "
-          f"accuracy {summary['test_accuracy']:.3f}; step time measured "
-          f"{summary['measured_step_ms']:.2f} ms, predicted {summary['predicted_step_ms']:.2f} "
-          f"ms ({summary['step_error_pct']:+.1f} %); tensor peak measured "
-          f"{summary['measured_tensor_peak_mib']:.1f} MiB, predicted "
-          f"{summary['predicted_tensor_peak_mib']:.1f} MiB; wrote {config.run_dir}/summary.json")
+    from qsync_lab.runtime.metrics import summary_line
+
+    print(f"{summary_line(summary)}; wrote {config.run_dir}/summary.json")
 
 
 def _cmd_demo(args) -> None:

@@ -176,6 +176,11 @@ class CompressionState:
                 self._stats.clear()
         return out
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the hook (DDP's backward reports it only as text), or None."""
+        return self._failed
+
     def state_dict(self) -> dict:
         """What a resumed run needs to continue bit-exactly: the call count (it seeds the
         rounding) and the error-feedback residuals. Read it between steps."""

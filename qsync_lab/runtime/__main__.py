@@ -12,7 +12,8 @@ from qsync_lab.runtime.options import config_from_args, runtime_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, set thread counts (before numba loads), train; errors are one line, exit 2."""
+    """Parse, set thread counts (before numba loads), train; errors (a non-finite loss or
+    gradient under ``--on-nonfinite stop`` among them) are one line, exit 2."""
     from qsync_lab.errors import QSyncError
 
     try:
@@ -36,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     except QSyncError as err:
         print(f"qsync_lab.runtime: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    if summary is not None:
-        print(f"test accuracy {summary['test_accuracy']:.4f}; step time measured "
-              f"{summary['measured_step_ms']:.2f} ms, predicted {summary['predicted_step_ms']:.2f}"
-              f" ms ({summary['step_error_pct']:+.1f} %); wrote {config.run_dir}/summary.json")
+    if summary is not None:  # None: another rank, or a run that was already complete
+        from qsync_lab.runtime.metrics import summary_line
+
+        print(f"{summary_line(summary)}; wrote {config.run_dir}/summary.json")
     return 0
 
 

@@ -1,7 +1,8 @@
 """``metrics.jsonl``: one JSON object per training step, appended and flushed by rank 0.
 
 A resumed run first cuts the file back to the steps before its checkpoint (atomically),
-so the file always reads as one run, step after step, whatever restarts happened.
+so the file always reads as one run, step after step, whatever restarts happened. Every
+line is strict JSON (:func:`strict_json`): a non-finite figure is written as null.
 
 Example::
 
@@ -11,19 +12,20 @@ Example::
     ...     for step in range(3):
     ...         log.write({"step": step, "loss": 1.0 / (step + 1)})
     >>> with MetricsLog(path, resume_step=2) as log:   # a restart from the step-2 checkpoint
-    ...     log.write({"step": 2, "loss": 0.3})
+    ...     log.write({"step": 2, "loss": float("nan")})
     >>> [(r["step"], r["loss"]) for r in read_metrics(path)]
-    [(0, 1.0), (1, 0.5), (2, 0.3)]
+    [(0, 1.0), (1, 0.5), (2, None)]
 """
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from qsync_lab.io import atomic_write_text
 
-__all__ = ["MetricsLog", "read_metrics"]
+__all__ = ["MetricsLog", "read_metrics", "strict_json", "summary_line"]
 
 
 class MetricsLog:
@@ -33,11 +35,11 @@ class MetricsLog:
         self.path = Path(path)
         kept = [r for r in read_metrics(self.path) if r["step"] < resume_step] \
             if resume_step and self.path.exists() else []
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.path, "".join(strict_json(r) + "\n" for r in kept))
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(strict_json(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -59,3 +61,45 @@ def read_metrics(path: "str | os.PathLike[str]") -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def strict_json(document: Any, **dumps_options: Any) -> str:
+    """``document`` as strict JSON (no NaN or Infinity tokens): a non-finite float is null.
+
+    Example::
+
+        >>> strict_json({"loss": float("nan"), "step_ms": [1.5, float("inf")], "accuracy": None})
+        '{"loss": null, "step_ms": [1.5, null], "accuracy": null}'
+    """
+    return json.dumps(_finite_or_null(document), allow_nan=False, **dumps_options)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """A run's ``summary.json`` in one line: the result, measured against predicted.
+
+    Example::
+
+        >>> summary_line({"model": "digits_cnn", "cluster": "local-cpu", "steps": 5,
+        ...     "test_accuracy": None, "test_loss": 0.25, "measured_step_ms": 4.0,
+        ...     "predicted_step_ms": 3.8, "step_error_pct": -5.0,
+        ...     "measured_tensor_peak_mib": 2.0, "predicted_tensor_peak_mib": 2.1})
+        'digits_cnn on local-cpu: 5 steps, test loss 0.2500; step time measured 4.00 ms, predicted 3.80 ms (-5.0 %); tensor peak measured 2.0 MiB, predicted 2.1 MiB'
+    """
+    accuracy, loss = summary.get("test_accuracy"), summary.get("test_loss")
+    result = (f"test accuracy {accuracy:.4f}" if accuracy is not None
+              else f"test loss {loss:.4f}" if loss is not None else "no test figure")
+    return (f"{summary['model']} on {summary['cluster']}: {summary['steps']} steps, {result}; "
+            f"step time measured {summary['measured_step_ms']:.2f} ms, predicted "
+            f"{summary['predicted_step_ms']:.2f} ms ({summary['step_error_pct']:+.1f} %); "
+            f"tensor peak measured {summary['measured_tensor_peak_mib']:.1f} MiB, predicted "
+            f"{summary['predicted_tensor_peak_mib']:.1f} MiB")
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(item) for item in value]
+    return value

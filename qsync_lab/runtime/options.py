@@ -24,7 +24,11 @@ from typing import Any
 from qsync_lab.errors import QSyncError
 from qsync_lab.optimizers import OPTIMIZER_STATES
 
-__all__ = ["TrainConfig", "config_from_args", "runtime_argv", "runtime_parser"]
+__all__ = ["NONFINITE_POLICIES", "TrainConfig", "config_from_args", "runtime_argv",
+           "runtime_parser"]
+
+#: what a step with a non-finite loss or gradient does: stop the run, or skip the update
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,11 @@ class TrainConfig:
         lr, momentum: the learning rate; ``sgd_momentum``'s momentum.
         seed: model initialisation, data order and split.
         checkpoint_every: steps between checkpoints (0: none).
-        resume: continue from ``run_dir``'s checkpoint if there is one.
+        keep_checkpoints: how many of the newest checkpoints are kept.
+        resume: continue from ``run_dir``'s newest valid checkpoint if there is one (the
+            run's settings must be the checkpoint's; ``steps`` may grow).
+        on_nonfinite: ``"stop"``: a non-finite loss or gradient stops the run; ``"skip"``:
+            its step is skipped on every rank (counted in the summary).
         deterministic: ``torch.use_deterministic_algorithms(True)`` (bit-reproducible runs).
         warmup_steps: steps of each attempt left out of the step-time median (None: the
             first fifth, at least 3; a ms-scale model's gloo and allocator warm up over
@@ -63,7 +71,9 @@ class TrainConfig:
     momentum: float = 0.9
     seed: int = 0
     checkpoint_every: int = 20
+    keep_checkpoints: int = 2
     resume: bool = False
+    on_nonfinite: str = "stop"
     deterministic: bool = False
     warmup_steps: int | None = None
     profiles: tuple[str, ...] = field(default_factory=tuple)
@@ -72,7 +82,11 @@ class TrainConfig:
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_STATES:
             raise QSyncError(f"unknown optimizer {self.optimizer!r}; choose one of: "
                              f"{', '.join(OPTIMIZER_STATES)}")
-        for name, least in (("steps", 1), ("checkpoint_every", 0), ("warmup_steps", 0)):
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise QSyncError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, "
+                             f"got {self.on_nonfinite!r}")
+        for name, least in (("steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1),
+                            ("warmup_steps", 0)):
             value = getattr(self, name)
             if value is None and name == "warmup_steps":
                 continue
@@ -115,8 +129,14 @@ def runtime_parser(*, add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=20,
                         help="steps between checkpoints (20; 0: none)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2,
+                        help="how many of the newest checkpoints to keep (2)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from --run-dir's checkpoint when there is one")
+                        help="continue from --run-dir's newest valid checkpoint when there is "
+                        "one (same settings; more --steps is fine)")
+    parser.add_argument("--on-nonfinite", choices=list(NONFINITE_POLICIES), default="stop",
+                        help="a non-finite loss or gradient stops the run (default) or its "
+                        "step is skipped on every rank")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--warmup-steps", type=int,
@@ -142,8 +162,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         plan=args.plan, run_dir=args.run_dir, model=args.model, model_kwargs=kwargs,
         data=args.data, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, seed=args.seed, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, deterministic=args.deterministic, warmup_steps=args.warmup_steps,
-        profiles=tuple(args.profile))
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        on_nonfinite=args.on_nonfinite, deterministic=args.deterministic,
+        warmup_steps=args.warmup_steps, profiles=tuple(args.profile))
 
 
 def runtime_argv(config: TrainConfig, *, threads: int | None = None) -> list[str]:

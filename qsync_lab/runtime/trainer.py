@@ -11,16 +11,29 @@
    (:class:`~qsync_lab.runtime.sampler.UnevenBatchSampler`) and weights its loss by its
    share (:func:`~qsync_lab.runtime.sampler.loss_weight`), so DDP's average is the
    gradient of the global batch whatever the per-rank batch sizes;
-4. rank 0 appends one line per step to ``metrics.jsonl`` (every rank's step time and
-   process peak RSS so far, the global loss and throughput) and writes a checkpoint every
-   ``checkpoint_every`` steps (:mod:`~qsync_lab.runtime.checkpoint`); with ``resume`` a
-   run continues from the run folder's checkpoint, exactly (same data, RNG states and
-   rounding streams), which is what a torchrun restart does after a worker dies;
-5. at the end rank 0 evaluates test accuracy and writes ``summary.json``: measured median
+4. every step checks the loss and the gradients: a non-finite loss turns the rank's
+   gradients to NaN, so DDP's own allreduce carries it to every rank, which then all find
+   a non-finite gradient before the optimizer step and decide alike: with
+   ``on_nonfinite="stop"`` every rank raises :class:`~qsync_lab.errors.QSyncError` naming
+   the step and the loss (its ranks) or the first parameter found; with ``"skip"`` no rank
+   updates and the step is counted (``nonfinite_steps_skipped`` in the summary);
+5. rank 0 appends one line per step to ``metrics.jsonl`` (every rank's step time and
+   process peak RSS so far, the global loss and throughput; strict JSON, a non-finite
+   figure is null) and every ``checkpoint_every`` steps writes
+   ``checkpoint-<step>.safetensors``, keeping the last ``keep_checkpoints``
+   (:mod:`~qsync_lab.runtime.checkpoint`: tensors and JSON with a verified sha256, never
+   a pickle). With ``resume`` a run continues exactly (same data, RNG states and rounding
+   streams) from the newest checkpoint that verifies (a damaged newer one is reported in
+   one line), which is what a torchrun restart does after a worker dies; it is refused,
+   naming each difference, when the settings that define the run (seed, lr, momentum,
+   optimizer, batches, world size, model, data, compression, plan) are not the
+   checkpoint's, and does nothing when the checkpoint is already at ``steps``;
+6. at the end rank 0 evaluates test accuracy and writes ``summary.json``: measured median
    step time (after ``warmup_steps``, clipped so that at least one step is timed; the
    summary says how many were left out) and peak tensor memory beside the simulator's
    prediction for the same plan and optimizer (emulated kinds costed from the locally
-   measured profile), and ``final.pt``.
+   measured profile), and the final weights, ``final.safetensors`` (a checkpoint whose
+   state is ``{"model": state_dict}``).
 
 The rank's process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as the
 profiler's processes do: steady steps take no page faults, in the run and in the profile.
@@ -32,6 +45,8 @@ first ``MEMORY_STEPS`` steps of each attempt (the live tensor bytes' maximum;
 """
 
 import hashlib
+import json
+import math
 import os
 import resource
 import statistics
@@ -51,10 +66,14 @@ from qsync_lab.io import atomic_write_text
 from qsync_lab.optimizers import OPTIMIZER_STATES
 from qsync_lab.plan import Plan
 from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
-from qsync_lab.runtime.checkpoint import (capture_rng_state, load_checkpoint, restore_rng_state,
-                                          save_checkpoint)
+from qsync_lab.runtime.checkpoint import (capture_rng_state, checkpoint_path,
+                                          latest_valid_checkpoint, prune_checkpoints,
+                                          remove_partial_writes, restore_rng_state,
+                                          save_checkpoint, settings_differences)
+from qsync_lab.runtime.agreement import check_ranks_agree
+from qsync_lab.runtime.lock import lock_for_this_process
 from qsync_lab.runtime.memory import MemoryWindow
-from qsync_lab.runtime.metrics import MetricsLog
+from qsync_lab.runtime.metrics import MetricsLog, strict_json
 from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
 from qsync_lab.runtime.tasks import Task, call_model, default_task, load_task, map_inputs
@@ -64,12 +83,17 @@ __all__ = ["DEVICE_KIND_ENV", "TrainConfig", "train"]
 DEVICE_KIND_ENV = "QSYNC_DEVICE_KIND"
 MEMORY_STEPS = 2
 MIN_WARMUP_STEPS = 3
-CHECKPOINT = "checkpoint.pt"
+FINAL = "final.safetensors"
 _MIB = 2**20
+#: options every rank must share besides the run's settings (a rank that stops earlier or
+#: checkpoints at other steps would leave the others waiting in a collective)
+_SHARED_OPTIONS = ("steps", "checkpoint_every", "keep_checkpoints", "resume", "on_nonfinite",
+                   "deterministic", "warmup_steps")
 
 
 def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | None:
-    """Run ``config`` on this rank (see the module docstring); rank 0 returns the summary.
+    """Run ``config`` on this rank (see the module docstring); rank 0 returns the summary
+    (None when a resumed run was already complete).
 
     ``task`` plugs in a user model and data (:class:`~qsync_lab.runtime.tasks.Task`);
     by default the plan's zoo model trains on its bundled task. The process group is
@@ -79,9 +103,12 @@ def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | Non
     own_group = not dist.is_initialized()
     if own_group:
         _init_process_group()
+    lock = lock_for_this_process(config.run_dir) if dist.get_rank() == 0 else None
     try:
         return _Run(config, task).train()
     finally:
+        if lock is not None:
+            lock.release()
         if own_group:
             dist.destroy_process_group()
 
@@ -128,6 +155,40 @@ class _Run:
         self.sampler = UnevenBatchSampler(self.task.num_train, self.batch_sizes, config.seed)
         self.weight = loss_weight(self.batch_sizes, self.rank)
         self.loss_fn = self.task.loss_fn()
+        if config.on_nonfinite == "skip" and self.plan.compression_settings:
+            raise QSyncError("--on-nonfinite skip does not work with gradient compression (its "
+                             "hooks stop every rank at a non-finite gradient); use "
+                             "--on-nonfinite stop or a plan without compression")
+        self.settings = self._settings()
+        self.nonfinite_skipped = 0
+
+    def _settings(self) -> dict[str, Any]:
+        """What makes this run this run: a resume must match its checkpoint's (``steps`` and
+        the options that change no result may differ)."""
+        plan = self.plan.to_dict()
+        return {"seed": self.config.seed, "lr": self.config.lr, "momentum": self.config.momentum,
+                "optimizer": self.optimizer_name, "batch_sizes": list(self.batch_sizes),
+                "world_size": self.world, "model": self.task.model_name,
+                "model_kwargs": self.task.model_kwargs, "data": self.task.name,
+                "compression": plan["_data"]["compression"],
+                "plan": hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()}
+
+    def _identity(self) -> dict[str, str]:
+        """What every rank must share (:func:`~qsync_lab.runtime.agreement.check_ranks_agree`):
+        the plan, the model built, the cluster, the data and the options."""
+        options = {k: getattr(self.config, k) for k in _SHARED_OPTIONS}
+        data = hashlib.sha256()
+        for tensor in (*_tensors(self.task.train_inputs), self.task.train_target,
+                       *_tensors(self.task.test_inputs), self.task.test_target):
+            data.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return {"plan": self.settings["plan"], "model": self.graph.fingerprint(),
+                "cluster": self.cluster.fingerprint(), "data": data.hexdigest(),
+                "settings": json.dumps({**self.settings, **options}, sort_keys=True)}
+
+    def _note(self, line: str) -> None:
+        """One line on rank 0's stderr."""
+        if self.rank == 0:
+            print(line, file=sys.stderr)
 
     def _zoo_task(self) -> Task:
         model = self.config.model or self.plan.model_name
@@ -156,8 +217,7 @@ class _Run:
                 model, batches, self.task.loss_fn(), fingerprint=self.plan.model_fingerprint,
                 batch_sizes=self.batch_sizes, precisions=sorted(precisions)))
         except QSyncError as err:
-            if self.rank == 0:
-                print(f"qsync_lab: {err}", file=sys.stderr)
+            self._note(f"qsync_lab: {err}")
             return None
 
     def _build(self):
@@ -165,11 +225,12 @@ class _Run:
         model = self.task.build_model()
         inputs, target = self.task.example(self.batch_sizes[self.rank])
         graph = trace_graph(model, inputs, target=target, loss_fn=self.task.loss_fn())
-        self.plan.validate(graph, self.cluster)
+        self.graph = graph
+        check_ranks_agree(self._identity())  # before any check one rank alone could fail
+        self.plan.validate(graph, self.cluster)  # and before DDP's or the hooks' collectives
         device_spec = self.cluster.catalog.device(self.kind)
         self.applied = apply_resolved_plan_(model, graph, self.plan.precisions[self.kind],
                                              device_spec)
-        self.graph = graph
         model = model.to(self.device)
         self.ddp = DistributedDataParallel(model, device_ids=[self.device] if self.cuda else None)
         self.compression = None
@@ -182,55 +243,90 @@ class _Run:
                                         lr=self.config.lr, momentum=self.config.momentum)
 
     def _restore(self) -> int:
-        path = self.run_dir / CHECKPOINT
-        if not (self.config.resume and path.exists()):
+        """Continue from the newest valid checkpoint (with ``resume``); the step reached."""
+        if not self.config.resume:
             return 0
-        state = load_checkpoint(path)
-        if state["plan"] != self.plan.to_dict():
-            raise QSyncError(f"{path} was written under another plan; resume with the same "
-                             "--plan or start a fresh --run-dir")
-        if len(state["rng"]) != self.world:
-            raise QSyncError(f"{path} has {len(state['rng'])} ranks, this run {self.world}")
+        saved = latest_valid_checkpoint(self.run_dir, warn=self._note)
+        if saved is None:
+            if (self.run_dir / "metrics.jsonl").exists():  # an earlier attempt saved nothing
+                self._note(f"qsync_lab: --resume: no checkpoint in {self.run_dir} (none was "
+                           "written yet, or --checkpoint-every 0); starting from step 0")
+            return 0
+        differences = settings_differences(saved.manifest.get("settings", {}), self.settings)
+        if differences:
+            raise QSyncError(f"--resume: this run differs from its checkpoint in: "
+                             f"{', '.join(differences)}; start a fresh --run-dir")
+        if saved.step >= self.config.steps:
+            return saved.step
+        state, mine = saved.state, saved.state["ranks"][self.rank]
         self.ddp.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        restore_rounding_counters(self.ddp.module, state["rounding"][self.rank])
+        restore_rounding_counters(self.ddp.module, mine["rounding"])
         if self.compression is not None:
-            self.compression.load_state_dict(state["compression"][self.rank])
-        restore_rng_state(state["rng"][self.rank])
-        return int(state["step"])
+            self.compression.load_state_dict(mine["compression"])
+        restore_rng_state(mine["rng"])
+        self.nonfinite_skipped = state["nonfinite_steps_skipped"]
+        return saved.step
 
     def _checkpoint(self, step: int) -> None:
-        mine = (capture_rng_state(), rounding_counters(self.ddp.module),
-                self.compression.state_dict() if self.compression is not None else None)
+        mine = {"rng": capture_rng_state(), "rounding": rounding_counters(self.ddp.module),
+                "compression": (self.compression.state_dict()
+                                if self.compression is not None else None)}
         gathered = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if self.rank == 0:
-            save_checkpoint(self.run_dir / CHECKPOINT, {
-                "step": step, "model": self.ddp.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "plan": self.plan.to_dict(),
-                "rng": [g[0] for g in gathered], "rounding": [g[1] for g in gathered],
-                "compression": [g[2] for g in gathered],
-                "config": {k: v for k, v in vars(self.config).items()}})
+            save_checkpoint(checkpoint_path(self.run_dir, step), {
+                "model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "ranks": gathered, "nonfinite_steps_skipped": self.nonfinite_skipped},
+                self._manifest(step))
+            prune_checkpoints(self.run_dir, step, self.config.keep_checkpoints)
 
-    def _step(self, step: int) -> tuple[float, float]:
-        """One global step; returns (this rank's step time in ms, its mean loss)."""
+    def _manifest(self, step: int) -> dict[str, Any]:
+        return {"step": step, "settings": self.settings}
+
+    def _step(self, step: int) -> tuple[float, float, str | None]:
+        """One global step: this rank's step time in ms, its mean loss and the first
+        parameter with a non-finite gradient (then the optimizer did not step; None: all
+        finite)."""
         index = self.sampler.indices(step, self.rank)
         inputs = map_inputs(self.task.train_inputs, lambda t: t[index].to(self.device))
         target = self.task.train_target[index].to(self.device)
         begin = time.perf_counter()
         self.optimizer.zero_grad()
         loss = self.loss_fn(call_model(self.ddp, inputs), target)
-        (loss * self.weight).backward()
-        self.optimizer.step()
+        # a non-finite loss makes the gradients NaN: DDP's allreduce takes them to every rank
+        weight = torch.where(torch.isfinite(loss.detach()), self.weight, math.nan).to(loss.dtype)
+        try:
+            (loss * weight).backward()
+        except RuntimeError:
+            failure = self.compression.failure if self.compression is not None else None
+            if isinstance(failure, QSyncError):  # a compression hook met a non-finite gradient
+                raise QSyncError(f"step {step}: {failure}") from None
+            raise
+        nonfinite = self._first_nonfinite_gradient()
+        if nonfinite is None:
+            self.optimizer.step()
         if self.cuda:
             torch.cuda.synchronize()
-        return (time.perf_counter() - begin) * 1e3, float(loss.detach())
+        return (time.perf_counter() - begin) * 1e3, float(loss.detach()), nonfinite
+
+    def _first_nonfinite_gradient(self) -> str | None:
+        """The first parameter (in module order) whose gradient holds NaN or Inf, or None.
+
+        A NaN or Inf makes its gradient's sum non-finite, so the sums (one cheap pass, much
+        cheaper on the CPU than a max) clear a finite step; only then is each gradient
+        looked at (a sum that merely overflowed is no finding)."""
+        named = [(name, p.grad) for name, p in self.ddp.module.named_parameters()
+                 if p.grad is not None]
+        sums = torch.stack([torch.sum(g, dtype=torch.float32) for _, g in named])
+        if bool(torch.isfinite(sums).all()):
+            return None
+        return next((name for name, g in named if not bool(torch.isfinite(g).all())), None)
 
     def train(self) -> dict[str, Any] | None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            for stale in self.run_dir.glob(f".{CHECKPOINT}.*.tmp"):  # a writer killed mid-write
-                stale.unlink(missing_ok=True)
+            remove_partial_writes(self.run_dir)  # a writer killed mid-write
         self._write_rank_file()
         self.model_profile = self._profile_model()
         memory = MemoryWindow(self.cuda)  # model build + the first MEMORY_STEPS steps
@@ -239,15 +335,26 @@ class _Run:
         try:
             self._build()
             start = self._restore()
+            if start >= self.config.steps:
+                missing = "" if (self.run_dir / "summary.json").exists() else (
+                    " (its summary.json is missing: the run stopped before writing it; "
+                    "metrics.jsonl has its steps)")
+                self._note(f"run already complete at step {start}; nothing to do{missing}")
+                return None
             if self.rank == 0:
                 log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=start)
             with _progress(self.rank, start, self.config.steps) as progress:
                 for step in range(start, self.config.steps):
-                    step_ms, loss = self._step(step)
+                    step_ms, loss, nonfinite_gradient = self._step(step)
                     if step + 1 - start == MEMORY_STEPS:
                         memory.close()
                     step_times.append(step_ms)
-                    self._log(log, step, step_ms, loss)
+                    ranks = self._gather(step_ms, loss)
+                    nonfinite = (_nonfinite_cause(ranks[:, 1], nonfinite_gradient)
+                                 if nonfinite_gradient is not None else None)
+                    self._log(log, step, ranks, nonfinite)
+                    if nonfinite is not None:
+                        self._skip_or_stop(step, nonfinite)
                     progress.update(1)
                     if self.config.checkpoint_every and \
                             (step + 1) % self.config.checkpoint_every == 0:
@@ -258,15 +365,26 @@ class _Run:
                 log.close()
         return self._finish(step_times, memory.peak_bytes, start)
 
-    def _log(self, log: MetricsLog | None, step: int, step_ms: float, loss: float) -> None:
+    def _skip_or_stop(self, step: int, cause: str) -> None:
+        """Every rank alike: count a skipped step or stop the run."""
+        if self.config.on_nonfinite == "stop":
+            raise QSyncError(f"non-finite {cause} at step {step}; every rank stopped (lower "
+                             "--lr or check the data; --on-nonfinite skip skips such steps)")
+        self.nonfinite_skipped += 1
+
+    def _gather(self, step_ms: float, loss: float) -> torch.Tensor:
+        """Every rank's (step time ms, loss, process peak RSS bytes), one row per rank."""
         mine = torch.tensor([step_ms, loss, float(_process_peak_rss_bytes())],
                             dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)  # on the rank's device: NCCL gathers CUDA tensors
+        return torch.stack(gathered).cpu()
+
+    def _log(self, log: MetricsLog | None, step: int, ranks: torch.Tensor,
+             nonfinite: str | None) -> None:
         telemetry = self.compression.telemetry() if self.compression is not None else None
         if log is None:
             return
-        ranks = torch.stack(gathered).cpu()
         slowest_ms = float(ranks[:, 0].max())
         global_loss = float(sum(b * ranks[r, 1] for r, b in enumerate(self.batch_sizes))
                             / sum(self.batch_sizes))
@@ -275,6 +393,8 @@ class _Run:
                   "throughput_samples_per_s": sum(self.batch_sizes) / (slowest_ms / 1e3),
                   "process_peak_rss_mib": [round(float(m) / _MIB, 1) for m in ranks[:, 2]],
                   "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        if nonfinite is not None:
+            record["nonfinite"] = nonfinite
         if telemetry is not None:  # rank 0's: its own gradients' compression
             record["compression"] = telemetry
         log.write(record)
@@ -300,9 +420,9 @@ class _Run:
         if self.rank != 0:
             return None
         summary = self._summary(gathered, start)
-        save_checkpoint(self.run_dir / "final.pt", {"step": self.config.steps,
-                                                    "model": self.ddp.module.state_dict()})
-        atomic_write_text(self.run_dir / "summary.json", _json(summary))
+        save_checkpoint(self.run_dir / FINAL, {"model": self.ddp.module.state_dict()},
+                        self._manifest(self.config.steps))
+        atomic_write_text(self.run_dir / "summary.json", strict_json(summary, indent=1) + "\n")
         return summary
 
     def _summary(self, ranks: list[dict], start: int) -> dict[str, Any]:
@@ -332,6 +452,7 @@ class _Run:
             "predicted_tensor_peak_mib": predicted_mem / _MIB,
             "tensor_peak_error_pct": 100 * (predicted_mem - measured_mem) / measured_mem,
             "optimizer": self.optimizer_name,
+            "nonfinite_steps_skipped": self.nonfinite_skipped,
             "warmup_steps": self.warmup_used,
             "timed_steps": self.config.steps - start - self.warmup_used,
             "prediction_costs": ", ".join(Path(p).name for p in profiles) or "catalog roofline",
@@ -385,7 +506,12 @@ def _progress(rank: int, start: int, steps: int):
                 file=sys.stderr)
 
 
-def _json(document: Any) -> str:
-    import json
+def _tensors(inputs) -> list[torch.Tensor]:
+    """A task's inputs (a tuple, or a dict passed as keywords) as a list of tensors."""
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
 
-    return json.dumps(document, indent=1) + "\n"
+
+def _nonfinite_cause(losses: torch.Tensor, gradient: str) -> str:
+    """What was non-finite: the loss (on which ranks), else the gradient of ``gradient``."""
+    ranks = [str(r) for r, loss in enumerate(losses.tolist()) if not math.isfinite(loss)]
+    return f"loss on rank {', '.join(ranks)}" if ranks else f"gradient of {gradient}"

@@ -26,6 +26,7 @@ from qsync_lab.cluster import Cluster
 from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.launch import LOG_NAME, STOP_GRACE_S, rank_error, start, stop_run
+from qsync_lab.runtime.metrics import summary_line
 from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.widgets.export import PLAN_NAME
 
@@ -138,7 +139,4 @@ class LocalRun:
             log = self.run_dir / LOG_NAME
             return f"the run failed (torchrun exit {code}): {rank_error(log)}; see {log}"
         summary = json.loads((self.run_dir / "summary.json").read_text(encoding="utf-8"))
-        return (f"{self.steps} steps: step time measured {summary['measured_step_ms']:.2f} ms, "
-                f"predicted {summary['predicted_step_ms']:.2f} ms "
-                f"({summary['step_error_pct']:+.1f} %); test accuracy "
-                f"{summary['test_accuracy']:.3f}; wrote {self.run_dir / 'summary.json'}")
+        return f"{summary_line(summary)}; wrote {self.run_dir / 'summary.json'}"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.plan import Plan
+from qsync_lab.runtime.checkpoint import load_checkpoint
 from qsync_lab.runtime.launch import stop_run, torchrun_command
 from qsync_lab.runtime.tasks import load_task
 
@@ -39,6 +40,12 @@ def write_plan(path: Path, cluster, precisions: dict, model: str = "digits_cnn",
                       compression=compression)
     plan.for_model(model, model_kwargs).save(path)
     return path
+
+
+def one_rank_plan(tmp_path: Path, precisions=None, batch: int = 32, **plan_args) -> Path:
+    """A plan on a one-rank CPU cluster (digits CNN by default; see :func:`write_plan`)."""
+    cluster = cluster_file(tmp_path, [f'{{ kind = "cpu", count = 1, batch_size = {batch} }}'])
+    return write_plan(tmp_path / "plan.json", cluster, precisions or {}, **plan_args)
 
 
 def free_port() -> int:
@@ -70,7 +77,7 @@ def stop(job: subprocess.Popen) -> None:
 
 
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "final.pt", weights_only=False)["model"]
+    return load_checkpoint(run_dir / "final.safetensors").state["model"]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qsync_lab.models import get_model
-from qsync_lab.runtime.checkpoint import load_checkpoint
+from qsync_lab.runtime.checkpoint import checkpoint_path, load_checkpoint
 from qsync_lab.runtime.metrics import read_metrics
 from qsync_lab.runtime.sampler import UnevenBatchSampler
 from qsync_lab.runtime.tasks import load_task
@@ -103,15 +103,22 @@ def test_a_killed_worker_resumes_from_the_checkpoint_and_ends_identical(tmp_path
     assert [r["step"] for r in records] == list(range(FAULT_STEPS))
     assert max(r["attempt"] for r in records) == 1, "the worker was killed after the run ended"
     assert not list(run.glob(".*.tmp")), "a half-written checkpoint was left behind"
-    assert load_checkpoint(run / "checkpoint.pt")["step"] == FAULT_STEPS
+    assert load_checkpoint(checkpoint_path(run, FAULT_STEPS)).step == FAULT_STEPS
     clean, faulty = final_parameters(tmp_path / "clean"), final_parameters(run)
     assert all(torch.equal(clean[k], faulty[k]) for k in clean)
+    # killed after the last checkpoint, torchrun restarts the ranks: they find the run complete
+    summary = (run / "summary.json").read_bytes()
+    again = subprocess.run(job.args, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"run already complete at step {FAULT_STEPS}; nothing to do" in again.stderr
+    assert (run / "summary.json").read_bytes() == summary
 
 
 def _pid_after_first_checkpoint(run_dir, rank: int, job: subprocess.Popen) -> int:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and job.poll() is None:
-        if (run_dir / "checkpoint.pt").exists():
+        if any(run_dir.glob("checkpoint-*.safetensors")):
             return int(_read_json(run_dir / "ranks" / f"rank{rank}.json")["pid"])
         time.sleep(0.01)
     raise AssertionError(f"no checkpoint appeared (job exit {job.poll()}): "
@@ -139,3 +146,21 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path):
     summary = _read_json(tmp_path / "run" / "summary.json")
     assert summary["world_size"] == 2 and len({r["params_sha256"] for r in summary["ranks"]}) == 1
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 10
+
+
+def test_ranks_started_with_different_plans_refuse_before_the_first_step(tmp_path):
+    plans = [write_plan(tmp_path / f"plan{i}.json", "local-cpu", {}, model="digits_mlp",
+                        task="synthetic", compression=compression)
+             for i, compression in enumerate((None, "fp16"))]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", "10", nproc=1,
+                    nnodes=2, rdzv_endpoint=endpoint, wait=False) for plan in plans]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            stop(node)
+    assert all(n.returncode != 0 for n in nodes), "\n".join(o[-2000:] for o in outputs)
+    for output in outputs:
+        assert "ranks disagree before the first step: plan differs (ranks 0 vs 1)" in output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "a rank trained"

@@ -1,6 +1,8 @@
 """The training runtime in this process on one gloo rank: logs, checkpoints, resume, errors."""
 
+import dataclasses
 import json
+import math
 import statistics
 
 import pytest
@@ -9,23 +11,21 @@ import torch
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import get_model
 from qsync_lab.quant import apply_plan_, restore_rounding_counters, rounding_counters
-from qsync_lab.runtime.checkpoint import load_checkpoint
+from qsync_lab.runtime import trainer
+from qsync_lab.runtime.__main__ import main
+from qsync_lab.runtime.checkpoint import checkpoint_path, load_checkpoint
 from qsync_lab.runtime.metrics import read_metrics
-from qsync_lab.runtime.tasks import Task
+from qsync_lab.runtime.sampler import UnevenBatchSampler
+from qsync_lab.runtime.tasks import Task, load_task
 from qsync_lab.runtime.trainer import TrainConfig, train
-from tests.runtime.conftest import cluster_file, write_plan
+from tests.runtime.conftest import cluster_file, final_parameters, one_rank_plan, write_plan
 
 INT8 = {"cpu": {"fc1": "int8", "conv2": "int8"}}
 TINY_BERT = {"vocab_size": 256, "seq_len": 16}
 
 
-def _one_rank_plan(tmp_path, precisions=None, batch=32, **plan_args):
-    cluster = cluster_file(tmp_path, [f'{{ kind = "cpu", count = 1, batch_size = {batch} }}'])
-    return write_plan(tmp_path / "plan.json", cluster, precisions or {}, **plan_args)
-
-
 def test_training_logs_every_step_checkpoints_and_learns(tmp_path, single_rank_group):
-    plan = _one_rank_plan(tmp_path, INT8)
+    plan = one_rank_plan(tmp_path, INT8)
     summary = train(TrainConfig(str(plan), str(tmp_path / "run"), steps=40, checkpoint_every=15))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(40))
@@ -38,44 +38,44 @@ def test_training_logs_every_step_checkpoints_and_learns(tmp_path, single_rank_g
     timed = [r["step_ms"][0] for r in records[8:]]
     assert summary["ranks"][0]["median_step_ms"] == pytest.approx(statistics.median(timed),
                                                                   abs=1e-3)
-    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 30
+    assert load_checkpoint(checkpoint_path(tmp_path / "run", 30)).step == 30
     # the final weights are a plain state_dict: a model without any plan loads them
-    get_model("digits_cnn").load_state_dict(torch.load(tmp_path / "run" / "final.pt")["model"])
+    get_model("digits_cnn").load_state_dict(final_parameters(tmp_path / "run"))
 
 
 def test_resume_continues_bit_exactly(tmp_path, single_rank_group):
     # BERT-mini: dropout draws from the RNG, so its state must come back with the weights
-    plan = _one_rank_plan(tmp_path, {"cpu": {"bert.encoder.layer.0.intermediate.dense": "int8"}},
+    plan = one_rank_plan(tmp_path, {"cpu": {"bert.encoder.layer.0.intermediate.dense": "int8"}},
                           model="bert_mini", task="tokens", **TINY_BERT)
     whole, split = tmp_path / "whole", tmp_path / "split"
     adamw = {"optimizer": "adamw", "lr": 1e-3}  # its two moments must come back too
     train(TrainConfig(str(plan), str(whole), steps=12, checkpoint_every=6, **adamw))
     train(TrainConfig(str(plan), str(split), steps=6, checkpoint_every=6, **adamw))
-    halfway = load_checkpoint(split / "checkpoint.pt")
+    halfway = load_checkpoint(checkpoint_path(split, 6)).state
     assert set(halfway["optimizer"]["state"][0]) >= {"exp_avg", "exp_avg_sq"}
     halfway = halfway["model"]
     summary = train(TrainConfig(str(plan), str(split), steps=12, checkpoint_every=6,
                                 resume=True, **adamw))
     assert summary["resumed_from"] == 6
     assert [r["step"] for r in read_metrics(split / "metrics.jsonl")] == list(range(12))
-    a, b = (torch.load(d / "final.pt")["model"] for d in (whole, split))
+    a, b = (final_parameters(d) for d in (whole, split))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], halfway[k]) for k in a)  # it trained after resuming
 
 
 def test_resume_with_compression_continues_bit_exactly(tmp_path, single_rank_group):
     # stochastic codes seeded by the call count, and error-feedback residuals
-    plan = _one_rank_plan(tmp_path, compression={
+    plan = one_rank_plan(tmp_path, compression={
         "conv2.weight": "cgx:4,error_feedback=true", "_default": "global_qsgd:8"})
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(TrainConfig(str(plan), str(whole), steps=8, checkpoint_every=4))
     train(TrainConfig(str(plan), str(split), steps=4, checkpoint_every=4))
-    saved = load_checkpoint(split / "checkpoint.pt")["compression"][0]
+    saved = load_checkpoint(checkpoint_path(split, 4)).state["ranks"][0]["compression"]
     assert saved["calls"] > 0 and set(saved["residuals"]) == {"conv2.weight"}
     train(TrainConfig(str(plan), str(split), steps=8, checkpoint_every=4, resume=True))
     records = read_metrics(split / "metrics.jsonl")
     assert records[-1]["compression"]["cgx"]["elements"] > 0
-    a, b = (torch.load(d / "final.pt")["model"] for d in (whole, split))
+    a, b = (final_parameters(d) for d in (whole, split))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -84,8 +84,8 @@ def test_rounding_counters_round_trip():
     model, twin = get_model("digits_mlp"), get_model("digits_mlp")
     for m in (model, twin):
         apply_plan_(m, plan)
-    model(torch.randn(4, 64))
-    model(torch.randn(4, 64))
+    model(torch.randn(4, 40))
+    model(torch.randn(4, 40))
     assert rounding_counters(model) == {"fc1": 2}
     restore_rounding_counters(twin, rounding_counters(model))
     assert twin.fc1.next_seeds(2) == model.fc1.next_seeds(2)
@@ -155,7 +155,7 @@ def test_a_user_model_is_profiled_once_and_predicted_from_its_profile(
     ({"data": "tokens"}, "task 'tokens' trains bert_mini, not digits_cnn"),
 ])
 def test_wrong_model_or_data_is_one_line(tmp_path, single_rank_group, change, message):
-    plan = _one_rank_plan(tmp_path)
+    plan = one_rank_plan(tmp_path)
     with pytest.raises(QSyncError, match=message) as err:
         train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1, **change))
     assert "\n" not in str(err.value)
@@ -179,25 +179,29 @@ def test_a_precision_the_device_cannot_run_is_refused(tmp_path, single_rank_grou
 
 
 def test_device_kind_override_must_be_in_the_plan(tmp_path, single_rank_group, monkeypatch):
-    plan = _one_rank_plan(tmp_path)
+    plan = one_rank_plan(tmp_path)
     monkeypatch.setenv("QSYNC_DEVICE_KIND", "A100")
     with pytest.raises(QSyncError, match="QSYNC_DEVICE_KIND='A100' is not a device kind"):
         train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1))
 
 
 def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
-    plan = _one_rank_plan(tmp_path)
+    plan = one_rank_plan(tmp_path)
     train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2, checkpoint_every=1))
     other = write_plan(tmp_path / "other.json", cluster_file(
         tmp_path, ['{ kind = "cpu", count = 1, batch_size = 32 }'], "c2"), {"cpu": {"fc1": "bf16"}})
-    with pytest.raises(QSyncError, match="written under another plan"):
+    with pytest.raises(QSyncError, match=r"differs from its checkpoint in: .*plan "
+                       r"[0-9a-f]{16}\.\.\. -> [0-9a-f]{16}\.\.\.; start a fresh --run-dir") as err:
         train(TrainConfig(str(other), str(tmp_path / "run"), steps=3, resume=True))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("field, value, message", [
     ("steps", 0, "--steps must be a positive integer"),
     ("steps", True, "--steps must be a positive integer"),
     ("checkpoint_every", -1, "--checkpoint-every must be a non-negative integer"),
+    ("keep_checkpoints", 0, "--keep-checkpoints must be a positive integer"),
+    ("on_nonfinite", "ignore", "--on-nonfinite must be one of stop, skip"),
     ("lr", float("nan"), "--lr must be a finite non-negative number"),
     ("optimizer", "lion", "unknown optimizer 'lion'")])
 def test_bad_config_values(field, value, message):
@@ -210,7 +214,7 @@ def test_predicted_tensor_peak_counts_the_optimizer_of_the_run(tmp_path, single_
     and first steps) is within 10 % of the prediction, and the measured differences between
     them are the optimizers' fp32 state, as the memory model counts it (+1 and +2 copies of
     the parameters)."""
-    plan = _one_rank_plan(tmp_path, model="bert_mini", task="tokens", vocab_size=2000,
+    plan = one_rank_plan(tmp_path, model="bert_mini", task="tokens", vocab_size=2000,
                           seq_len=32)
     measured = {}
     for optimizer in ("sgd", "sgd_momentum", "adamw"):
@@ -264,3 +268,117 @@ def test_a_dict_batch_model_trains_and_is_profiled(tmp_path, single_rank_group, 
     assert summary["ranks"][0]["applied_plan"]["head"].startswith("bf16")
     (cached,) = (tmp_path / "cache" / "profiles").glob("*.csv")
     assert {"embed", "head"} <= set(read_profile(cached).frame["op"])
+
+
+class _SqrtProbe(torch.nn.Module):
+    """Finite outputs; a sample whose first feature is 0 gives ``z`` a NaN gradient (the
+    derivative of sqrt at 0, times 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.z = torch.nn.Linear(6, 2), torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.fc(x) + 0.0 * torch.sqrt(self.z * x[:, :1].abs())
+
+
+NONFINITE_STEP, PROBE_SAMPLES = 3, 192
+
+
+def _nan_loss(x, index):
+    x[index, 1] = math.nan
+
+
+def _nan_gradient(x, index):
+    x[index, 0] = 0.0
+
+
+def _probe_task(tmp_path, poison):
+    """The probe task, with ``poison`` applied to the first sample of step NONFINITE_STEP
+    (and a NaN in the test inputs); its plan; the poisoned sample's index."""
+    x = torch.randn(PROBE_SAMPLES, 6, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    x_test = x[:64].clone()
+    x_test[0, 1] = math.nan
+    index = int(UnevenBatchSampler(PROBE_SAMPLES, (32,), 0).indices(NONFINITE_STEP, 0)[0])
+    poison(x, index)
+    task = Task("probe", "", _SqrtProbe, (x,), y, (x_test,), y[:64])
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+
+    cluster = cluster_file(tmp_path, ['{ kind = "cpu", count = 1, batch_size = 32 }'])
+    graph = trace_graph(_SqrtProbe(), (x[:4],), target=y[:4], loss_fn=task.loss_fn())
+    Plan.build(graph, load_cluster(cluster), {}).save(tmp_path / "p.json")
+    return task, tmp_path / "p.json", index
+
+
+@pytest.mark.parametrize("poison, cause", [(_nan_loss, "loss on rank 0"),
+                                           (_nan_gradient, "gradient of z")])
+def test_a_nonfinite_value_stops_the_run_naming_the_step(tmp_path, single_rank_group, poison,
+                                                         cause):
+    task, plan, _ = _probe_task(tmp_path, poison)
+    run = tmp_path / "run"
+    with pytest.raises(QSyncError, match=f"^non-finite {cause} at step {NONFINITE_STEP}; every "
+                       "rank stopped") as err:
+        train(TrainConfig(str(plan), str(run), steps=8, checkpoint_every=2), task=task)
+    assert "\n" not in str(err.value)
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(NONFINITE_STEP + 1))
+    assert records[-1]["nonfinite"] == cause and "nonfinite" not in records[-2]
+    assert (records[-1]["loss"] is None) == (poison is _nan_loss)
+    assert list(run.glob("checkpoint-*")) == [checkpoint_path(run, 2)]  # none after it
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_skip_mode_skips_and_counts_and_the_json_files_stay_strict(tmp_path, single_rank_group):
+    task, plan, index = _probe_task(tmp_path, _nan_loss)
+    run, steps = tmp_path / "run", 8
+    summary = train(TrainConfig(str(plan), str(run), steps=steps, on_nonfinite="skip"),
+                    task=task)
+    sampler = UnevenBatchSampler(PROBE_SAMPLES, (32,), 0)
+    poisoned = [step for step in range(steps) if index in sampler.indices(step, 0).tolist()]
+    assert poisoned[0] == NONFINITE_STEP and summary["nonfinite_steps_skipped"] == len(poisoned)
+    written = _strict_json((run / "summary.json").read_text())
+    assert written["test_loss"] is None and written["nonfinite_steps_skipped"] == len(poisoned)
+    records = [_strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["loss"] is None] == poisoned
+    final = load_checkpoint(run / "final.safetensors").state["model"]
+    assert all(bool(torch.isfinite(value).all()) for value in final.values())
+
+
+def _nan_inputs(*args, **kwargs):
+    """A bundled task whose training inputs are all NaN."""
+    task = load_task(*args, **kwargs)
+    return dataclasses.replace(task, train_inputs=(task.train_inputs[0] * math.nan,))
+
+
+def test_the_command_exits_2_with_one_line_on_a_nonfinite_loss(tmp_path, single_rank_group,
+                                                               monkeypatch, capsys):
+    monkeypatch.setattr(trainer, "load_task", _nan_inputs)
+    plan = one_rank_plan(tmp_path)
+    assert main(["--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--steps", "3",
+                 "--threads", str(torch.get_num_threads())]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == ["qsync_lab.runtime: error: non-finite loss on rank 0 at step 0; every rank "
+                      "stopped (lower --lr or check the data; --on-nonfinite skip skips such "
+                      "steps)"]
+
+
+def test_a_compressed_run_stops_in_one_line_and_refuses_skip_mode(tmp_path, single_rank_group,
+                                                                   monkeypatch):
+    plan = one_rank_plan(tmp_path, compression={"_default": "global_qsgd:8"})
+    with pytest.raises(QSyncError, match="--on-nonfinite skip does not work with gradient "
+                       "compression"):
+        train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2, on_nonfinite="skip"))
+    monkeypatch.setattr(trainer, "load_task", _nan_inputs)
+    with pytest.raises(QSyncError, match="^step 0: a gradient of a global_qsgd bucket holds "
+                       "NaN or Inf") as err:  # the hook stops every rank; DDP passes only text
+        train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2))
+    assert "\n" not in str(err.value)
