@@ -340,19 +340,20 @@ class CostModel:
         return links, f"alpha-beta:{slowest.name}" + (f" ({slowest.source})" if fitted else "")
 
     def optimizer_time_us(self, param_bytes: float, optimizer: str, device: DeviceSpec) -> Cost:
-        """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound:
-        read parameters, gradients and state, write parameters and state).
+        """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound: the
+        runtime's non-finite check reads the gradients, then the step reads parameters,
+        gradients and state and writes parameters and state).
 
         Example::
 
             >>> v100 = load_catalog().device("V100-SXM2-32GB")
             >>> cost = CostModel().optimizer_time_us(440e6, "adam", v100)
-            >>> round(cost.us, 1), cost.source   # 7 x 440 MB at 720 GB/s, plus a launch
-            (4282.8, 'roofline')
+            >>> round(cost.us, 1), cost.source   # 8 x 440 MB at 720 GB/s, plus a launch
+            (4893.9, 'roofline')
         """
         states = optimizer_state_count(optimizer)
         roofline = self.roofline_for(device)
-        traffic = (3 + 2 * states) * param_bytes
+        traffic = (4 + 2 * states) * param_bytes
         times = roofline.times_us(np.zeros(1), np.array([float(traffic)]), [_OPTIMIZER_KIND],
                                   device, [Precision.FP32])
         return Cost(float(times[0]), roofline.source)
