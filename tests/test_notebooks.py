@@ -1,6 +1,5 @@
-"""The tutorial notebooks are saved as they ran: numbered 01-06 (04, the plan tuner, may be
-missing while it is written), every code cell executed top to bottom in one run, no error
-outputs, and plotly.js embedded at most once, so that the saved figures (``text/html``
+"""The tutorial notebooks are saved as they ran: numbered 01-07, every code cell executed
+top to bottom in one run, no error outputs, and plotly.js embedded at most once, so that the saved figures (``text/html``
 outputs) render without a kernel. nbval re-runs them and compares the cells marked
 ``# NBVAL_CHECK_OUTPUT`` (``pytest --nbval-lax notebooks/``, part of the default test run).
 
@@ -15,9 +14,8 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-REQUIRED = {"01", "02", "03", "05", "06"}
-OPTIONAL = {"04"}  # the plan tuner, being written
-NAME = re.compile(r"(0[1-6])_[a-z0-9_]+\.ipynb")
+REQUIRED = {"01", "02", "03", "04", "05", "06", "07"}
+NAME = re.compile(r"(0[1-7])_[a-z0-9_]+\.ipynb")
 PLOTLY_JS = re.compile(r"\* plotly\.js v\d")  # the licence header of the embedded bundle
 FIGURE = "Plotly.newPlot"
 #: plotly.js itself is ~4.9 MB; a notebook's own outputs may add at most about 1 MB more
@@ -41,13 +39,12 @@ def _html_outputs(cell: dict) -> list[str]:
             if "text/html" in o.get("data", {})]
 
 
-def test_the_notebooks_are_numbered_01_to_06():
+def test_the_notebooks_are_numbered_01_to_07():
     names = [p.name for p in _paths()]
-    assert all(NAME.fullmatch(n) for n in names), f"not NN_name.ipynb (01-06): {names}"
+    assert all(NAME.fullmatch(n) for n in names), f"not NN_name.ipynb (01-07): {names}"
     numbers = [NAME.fullmatch(n).group(1) for n in names]
     assert len(numbers) == len(set(numbers)), f"two notebooks share a number: {names}"
-    assert REQUIRED <= set(numbers) <= REQUIRED | OPTIONAL, \
-        f"expected {sorted(REQUIRED)} (and optionally {sorted(OPTIONAL)}), found {names}"
+    assert set(numbers) == REQUIRED, f"expected {sorted(REQUIRED)}, found {names}"
 
 
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)

@@ -119,8 +119,8 @@ def runtime_parser(*, add_help: bool = True) -> argparse.ArgumentParser:
                         help="metrics, checkpoints and summary go here (default qsync_run)")
     parser.add_argument("--model", help="zoo model (default: the plan's)")
     parser.add_argument("--model-kwargs", help="JSON dict of the model's keyword arguments")
-    parser.add_argument("--data", help="bundled task: digits, mnist1d, tokens, synthetic "
-                        "(default: the model's)")
+    parser.add_argument("--data", help="bundled task: digits, mnist1d, tokens, zipf_tokens, "
+                        "synthetic (default: the model's)")
     parser.add_argument("--steps", type=int, default=100, help="training steps (100)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZER_STATES),
                         help="default: the plan's (its memory prediction counts it)")

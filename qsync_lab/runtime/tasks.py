@@ -215,10 +215,55 @@ def _synthetic(model: str, seed: int, kwargs: dict) -> Task:
     return _task("synthetic", model, kwargs, train, test)
 
 
+ZIPF_TOKEN_SAMPLES = (4096, 1024)
+
+
+def _zipf_tokens(model: str, seed: int, kwargs: dict) -> Task:
+    """Majority vote between two token classes whose tokens follow Zipf's law.
+
+    The vocabulary (id 0 left out) splits into class A (the lower half of the ids) and
+    class B (as many ids above them), with the same Zipf profile: the k-th id of a class is
+    drawn with probability proportional to 1 / k. Each position picks its class with even
+    odds, then an id. Label 1 when class A holds more than half of the positions. Unlike
+    ``tokens``, the ids' frequencies are skewed as in text (with 64 ids per class the
+    rarest is drawn 64 times less often than the most frequent), so the class of rare ids
+    must be learned from few examples; margins are often one token (use an odd ``seq_len``
+    for no ties).
+
+    Example::
+
+        >>> task = load_task("zipf_tokens", "bert_mini", vocab_size=9, seq_len=5)
+        >>> ids, label = task.train_inputs[0][0], task.train_target[0]
+        >>> bool(label) == bool(((ids <= 4).sum() > 2))
+        True
+    """
+    generator = torch.Generator().manual_seed(seed)
+    defaults = model_spec(model).defaults
+    vocab = kwargs.get("vocab_size", defaults["vocab_size"])
+    seq_len = kwargs.get("seq_len", defaults["seq_len"])
+    if kwargs.get("num_labels", defaults["num_labels"]) != 2:
+        raise QSyncError("the zipf_tokens task has 2 labels; use num_labels=2")
+    per_class = (vocab - 1) // 2
+    if per_class < 2:
+        raise QSyncError(f"the zipf_tokens task needs vocab_size >= 5, got {vocab}")
+    zipf = 1.0 / torch.arange(1, per_class + 1, dtype=torch.float64)
+
+    def split(samples):
+        rank = torch.multinomial(zipf, samples * seq_len, replacement=True,
+                                 generator=generator).view(samples, seq_len)
+        in_a = torch.rand(samples, seq_len, generator=generator) < 0.5
+        ids = 1 + rank + per_class * (~in_a).long()
+        return (ids,), (in_a.sum(1) * 2 > seq_len).long()
+
+    return _task("zipf_tokens", model, kwargs, *map(split, ZIPF_TOKEN_SAMPLES))
+
+
 #: task name -> (its model, or None for any zoo model; loader(model, seed, model_kwargs))
 TASKS: dict[str, tuple[str | None, Callable[[str, int, dict], Task]]] = {
     "digits": ("digits_cnn", _digits),
     "mnist1d": ("digits_mlp", _mnist1d),
     "tokens": ("bert_mini", _tokens),
     "synthetic": (None, _synthetic),
+    "zipf_tokens": ("bert_mini", _zipf_tokens),
 }
+

@@ -35,6 +35,21 @@ def test_tokens_task_is_balanced_and_follows_its_rule():
     assert 0.4 < labels.float().mean() < 0.6
 
 
+
+def test_zipf_tokens_task_follows_its_rule_with_zipf_frequencies_and_is_balanced():
+    task = load_task("zipf_tokens", "bert_mini", vocab_size=21, seq_len=9, seed=1)
+    ids, labels = task.train_inputs[0], task.train_target
+    assert 1 <= ids.min() and ids.max() <= 20 and ids.shape[1] == 9
+    assert torch.equal(labels, ((ids <= 10).sum(1) > 4).long())
+    assert 0.4 < labels.float().mean() < 0.6
+    counts = torch.bincount(ids.flatten(), minlength=21).float()
+    for first in (1, 11):  # each class: its k-th id drawn about 1/k as often as its first
+        assert 8 < counts[first] / counts[first + 9] < 12
+    again = load_task("zipf_tokens", "bert_mini", vocab_size=21, seq_len=9, seed=1)
+    assert torch.equal(again.test_inputs[0], task.test_inputs[0])
+    with pytest.raises(QSyncError, match="needs vocab_size >= 5, got 4"):
+        load_task("zipf_tokens", "bert_mini", vocab_size=4, seq_len=9)
+
 def test_synthetic_task_fits_any_zoo_model():
     task = load_task("synthetic", "resnet18", num_classes=10, image_size=32)
     assert tuple(task.train_inputs[0].shape[1:]) == (3, 32, 32)
