@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.limits import loads_json
 from qsync_lab.optimizers import OPTIMIZER_STATES
 
 __all__ = ["NONFINITE_POLICIES", "TrainConfig", "config_from_args", "runtime_argv",
@@ -151,11 +152,7 @@ def runtime_parser(*, add_help: bool = True) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed runtime options (checked)."""
-    try:
-        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else None
-    except json.JSONDecodeError as err:
-        raise QSyncError(f"--model-kwargs is not JSON ({err}); pass e.g. '{{\"seq_len\": 32}}'") \
-            from None
+    kwargs = loads_json(args.model_kwargs, "--model-kwargs") if args.model_kwargs else None
     if args.threads is not None and args.threads < 1:
         raise QSyncError(f"--threads must be a positive integer, got {args.threads}")
     return TrainConfig(
