@@ -238,12 +238,14 @@ class Study:
         saved as ``run_dir/plan.json`` first.
         """
         from qsync_lab.runtime.launch import launch
+        from qsync_lab.runtime.lock import check_run_dir_free
         from qsync_lab.runtime.options import TrainConfig
 
         if not plan.model_name:
             raise QSyncError("Study.run trains zoo models; for your own module call "
                              "qsync_lab.runtime.train(..., task=Task(...)) on every rank "
                              "under torchrun")
+        check_run_dir_free(run_dir)  # the plan of a run still going there is kept
         path = Path(run_dir) / "plan.json"
         plan.save(path)
         config = TrainConfig(plan=str(path), run_dir=str(run_dir), steps=steps,

@@ -39,7 +39,8 @@ from typing import Any
 from qsync_lab.errors import QSyncError
 
 __all__ = ["LOCK_ENV", "LOCK_HELD", "LOCK_NAME", "RunLock", "RunLockTakeoverWarning",
-           "acquire_run_lock", "forget_ended_holder", "lock_for_this_process"]
+           "acquire_run_lock", "check_run_dir_free", "forget_ended_holder",
+           "lock_for_this_process"]
 
 LOCK_NAME = ".qsync.lock"
 LOCK_ENV = "QSYNC_RUN_LOCK"  # set to LOCK_HELD for the ranks of a launch that holds the lock
@@ -104,6 +105,30 @@ def acquire_run_lock(run_dir: "str | os.PathLike[str]", *, note: bool = True) ->
     """
     run_dir = Path(run_dir)
     path = run_dir / LOCK_NAME
+    fd = _locked_descriptor(run_dir, path)
+    previous = _holder(fd)
+    lock = RunLock(path, fd)
+    lock.record(os.getpid())
+    if previous and note:
+        warnings.warn(f"took over the lock of run directory {run_dir} from "
+                      f"{_describe(previous)}, which has ended", RunLockTakeoverWarning,
+                      stacklevel=2)
+    return lock
+
+
+def check_run_dir_free(run_dir: "str | os.PathLike[str]") -> None:
+    """Raise if another run holds ``run_dir`` (before writing into it, e.g. its plan);
+    the lock itself is left as it was.
+
+    Raises:
+        QSyncError: as :func:`acquire_run_lock`.
+    """
+    run_dir = Path(run_dir)
+    os.close(_locked_descriptor(run_dir, run_dir / LOCK_NAME))
+
+
+def _locked_descriptor(run_dir: Path, path: Path) -> int:
+    """A descriptor of the lock file ``path`` that holds its lock (created if missing)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -120,14 +145,7 @@ def acquire_run_lock(run_dir: "str | os.PathLike[str]", *, note: bool = True) ->
         os.close(fd)
         raise QSyncError(f"run directory {run_dir} is in use by {_describe(holder)}; wait for "
                          "it or choose another --run-dir") from None
-    previous = _holder(fd)
-    lock = RunLock(path, fd)
-    lock.record(os.getpid())
-    if previous and note:
-        warnings.warn(f"took over the lock of run directory {run_dir} from "
-                      f"{_describe(previous)}, which has ended", RunLockTakeoverWarning,
-                      stacklevel=2)
-    return lock
+    return fd
 
 
 def lock_for_this_process(run_dir: "str | os.PathLike[str]") -> RunLock | None:

@@ -26,6 +26,7 @@ from qsync_lab.cluster import Cluster
 from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.launch import LOG_NAME, STOP_GRACE_S, rank_error, start, stop_run
+from qsync_lab.runtime.lock import check_run_dir_free
 from qsync_lab.runtime.metrics import summary_line
 from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.widgets.export import PLAN_NAME
@@ -87,6 +88,7 @@ class LocalRun:
                              "emulate; export the plan and run it there (or plan on "
                              "local-hybrid)")
         self.run_dir, self.steps = Path(run_dir), steps
+        check_run_dir_free(self.run_dir)  # the plan of a run still going there is kept
         path = self.run_dir / PLAN_NAME
         plan.save(path)
         self.predicted_step_ms = study.predict_run(plan).iteration_us / 1e3

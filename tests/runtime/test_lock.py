@@ -15,7 +15,7 @@ from qsync_lab.cli import main
 from qsync_lab.errors import QSyncError
 from qsync_lab.runtime import launch
 from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, LOCK_NAME, RunLockTakeoverWarning,
-                                    acquire_run_lock, forget_ended_holder,
+                                    acquire_run_lock, check_run_dir_free, forget_ended_holder,
                                     lock_for_this_process)
 from qsync_lab.runtime.options import TrainConfig
 
@@ -138,3 +138,17 @@ def _wait_for(path, job: subprocess.Popen) -> None:
         assert job.poll() is None, f"the child ended with {job.returncode}"
         assert time.monotonic() < deadline, "the child did not start"
         time.sleep(0.05)
+
+
+def test_a_study_run_on_a_locked_directory_keeps_the_running_plan(tmp_path):
+    from qsync_lab import Study
+    from qsync_lab.plan import Plan
+
+    study = Study("digits_cnn", cluster="local-hybrid", progress=False)
+    plan = Plan.build(study.graph, study.cluster, {}, model_name="digits_cnn")
+    run_dir = tmp_path / "run"
+    with acquire_run_lock(run_dir):
+        with pytest.raises(QSyncError, match=f"run directory {run_dir} is in use by pid"):
+            study.run(plan, steps=2, run_dir=run_dir)
+    assert not (run_dir / "plan.json").exists()
+    check_run_dir_free(run_dir)  # free again once released
