@@ -194,13 +194,18 @@ def _mnist1d(model: str, seed: int, kwargs: dict) -> Task:
                  split(data["x_test"], data["y_test"]))
 
 
-def _tokens(model: str, seed: int, kwargs: dict) -> Task:
-    generator = torch.Generator().manual_seed(seed)
+def _binary_token_task(name: str, model: str, seed: int,
+                       kwargs: dict) -> tuple[torch.Generator, int, int]:
+    """A two-label token task's generator, vocabulary size and sequence length."""
     defaults = model_spec(model).defaults
-    vocab = kwargs.get("vocab_size", defaults["vocab_size"])
-    seq_len = kwargs.get("seq_len", defaults["seq_len"])
     if kwargs.get("num_labels", defaults["num_labels"]) != 2:
-        raise QSyncError("the tokens task has 2 labels; use num_labels=2")
+        raise QSyncError(f"the {name} task has 2 labels; use num_labels=2")
+    return (torch.Generator().manual_seed(seed), kwargs.get("vocab_size", defaults["vocab_size"]),
+            kwargs.get("seq_len", defaults["seq_len"]))
+
+
+def _tokens(model: str, seed: int, kwargs: dict) -> Task:
+    generator, vocab, seq_len = _binary_token_task("tokens", model, seed, kwargs)
 
     def split(samples):
         ids = torch.randint(vocab, (samples, seq_len), generator=generator)
@@ -237,12 +242,7 @@ def _zipf_tokens(model: str, seed: int, kwargs: dict) -> Task:
         >>> bool(label) == bool(((ids <= 4).sum() > 2))
         True
     """
-    generator = torch.Generator().manual_seed(seed)
-    defaults = model_spec(model).defaults
-    vocab = kwargs.get("vocab_size", defaults["vocab_size"])
-    seq_len = kwargs.get("seq_len", defaults["seq_len"])
-    if kwargs.get("num_labels", defaults["num_labels"]) != 2:
-        raise QSyncError("the zipf_tokens task has 2 labels; use num_labels=2")
+    generator, vocab, seq_len = _binary_token_task("zipf_tokens", model, seed, kwargs)
     per_class = (vocab - 1) // 2
     if per_class < 2:
         raise QSyncError(f"the zipf_tokens task needs vocab_size >= 5, got {vocab}")
