@@ -376,8 +376,10 @@ def main(argv: Sequence[str] | None = None) -> "pd.DataFrame":
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.worker:
+        from qsync_lab.runtime.rank_exit import exit_rank
+
         worker(args.worker)
-        return None
+        exit_rank()  # a finished gloo worker may abort in the interpreter's teardown
     from qsync_lab.io import atomic_write_text
     from reporting import load_line
 

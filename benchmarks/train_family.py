@@ -10,6 +10,7 @@ Run under torchrun (``benchmarks/user_models.py`` does)::
 import argparse
 
 from qsync_lab.models.families import FAMILIES, family_batch, family_model
+from qsync_lab.runtime.rank_exit import exit_rank
 from qsync_lab.runtime.tasks import Task
 from qsync_lab.runtime.trainer import TrainConfig, train
 
@@ -33,6 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     train(TrainConfig(args.plan, args.run_dir, steps=args.steps, checkpoint_every=0,
                       warmup_steps=args.steps // 5), task=family_task(args.family))
+    exit_rank()
 
 
 if __name__ == "__main__":

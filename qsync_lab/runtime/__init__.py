@@ -18,7 +18,8 @@ Example::
 import importlib
 
 _EXPORTS = {"Task": "qsync_lab.runtime.tasks", "load_task": "qsync_lab.runtime.tasks",
-            "TrainConfig": "qsync_lab.runtime.options", "train": "qsync_lab.runtime.trainer"}
+            "TrainConfig": "qsync_lab.runtime.options", "train": "qsync_lab.runtime.trainer",
+            "exit_rank": "qsync_lab.runtime.rank_exit"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -45,11 +45,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # Everything is written (atomically) and the process group destroyed by now. Skip the
-    # interpreter's teardown: destroying gloo's and OpenMP's thread pools in static
-    # destructors intermittently aborts a finished worker ("terminate called without an
-    # active exception", exit -6), which torchrun reports as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    from qsync_lab.runtime.rank_exit import exit_rank
+
+    exit_rank(main())
