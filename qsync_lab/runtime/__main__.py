@@ -26,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_world)
     # the int8 kernels' Numba pool must be sized before numba is imported:
     # numba.set_num_threads in a torchrun worker aborts at exit beside gloo
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+    # (an explicit --threads sizes it too, over an inherited NUMBA_NUM_THREADS: two Numba
+    # threads per rank on two cores made a local run 2-3x slower than its prediction)
+    if args.threads:
+        os.environ["NUMBA_NUM_THREADS"] = str(threads)
+    else:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
     import torch
 
     from qsync_lab.runtime.trainer import train
