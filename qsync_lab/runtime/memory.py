@@ -83,6 +83,8 @@ def peak_cpu_bytes(prof: torch.profiler.profile, all_threads: bool = False) -> i
 
     ``all_threads``: the events' process-wide live totals are trusted (c10's accounting
     was on), so frees on other threads count; otherwise the running sum of the events.
+    Frees of blocks allocated before the window (an earlier window's tensors collected
+    now) are not the window's memory: they are left out of both.
     """
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -92,15 +94,23 @@ def peak_cpu_bytes(prof: torch.profiler.profile, all_threads: bool = False) -> i
         if event.typed[0].name == "Allocation":
             fields = event.typed[1]
             if fields.device.type == "cpu":
-                events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+                events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated,
+                               fields.ptr))
     events.sort()
     if not events:
         return 0
-    if all_threads:
-        _, first_bytes, first_total = events[0]
-        return max(0, max(total for _, _, total in events) - (first_total - first_bytes))
-    live = peak = 0
-    for _, nbytes, _ in events:
+    _, first_bytes, first_total, _ = events[0]
+    window_blocks: set[int] = set()
+    earlier_freed = live = peak = 0
+    for _, nbytes, total, ptr in events:
+        if nbytes > 0:
+            window_blocks.add(ptr)
+        elif ptr in window_blocks:
+            window_blocks.discard(ptr)
+        else:
+            earlier_freed -= nbytes
+            continue
         live += nbytes
-        peak = max(peak, live)
-    return peak
+        peak = max(peak, total + earlier_freed - (first_total - first_bytes)
+                   if all_threads else live)
+    return max(0, peak)

@@ -62,3 +62,18 @@ def test_fallback_running_sum_matches_on_one_thread(mib):
     assert window.close() == mib * MIB
     assert peak_cpu_bytes(profiler, all_threads=False) == mib * MIB
     del y
+
+
+@pytest.mark.parametrize("all_threads", [True, False])
+def test_a_tensor_of_an_earlier_window_freed_in_this_one_is_not_counted(all_threads):
+    """An earlier run's tensors, collected while a later run measures, lower neither peak."""
+    earlier = MemoryWindow(cuda=False)
+    leftover = _floats(32)             # accounted by c10 from the earlier window on
+    earlier.close()
+    window = MemoryWindow(cuda=False)
+    profiler = window._profiler
+    del leftover                        # an event of -32 MiB inside this window
+    x = _floats(8)
+    assert window.close() == 8 * MIB   # was 0: the -32 MiB hid the 8 MiB
+    assert peak_cpu_bytes(profiler, all_threads=all_threads) == 8 * MIB
+    del x
