@@ -5,6 +5,10 @@ very long periods, chunk edges; the ``*_narrow`` float-format twins; stochastic 
 hash in 32-bit lanes; the shared exponential-dithering encoder; the disk cache.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -248,3 +252,30 @@ def test_jit_falls_back_without_a_cache_location():
     exec("def f(a):\n    return a + 1\n", ns)  # no source file: Numba cannot cache it
     f = cpu._jit()(ns["f"])
     assert f(41) == 42
+
+
+_FACTORY_KERNEL_RUN = """
+import numpy as np
+from qsync_lab.kernels import cpu
+kernel = cpu._dequantize_for(cpu.floatfmt.FP16)  # closes over another jitted function
+q = np.arange(-64, 64, dtype=np.int8)
+out = np.empty(q.size, dtype=np.uint32)
+cpu.dequantize(q, np.ones(1, np.float32), q.size, 1, out, fmt=cpu.floatfmt.FP16)
+print(len(kernel.stats.cache_hits), len(kernel.stats.cache_misses))
+"""
+
+
+def test_a_factory_kernel_is_loaded_from_the_disk_cache_in_a_later_process(tmp_path):
+    """Its closure holds a jitted function, which pickles with a per-process id: keyed by
+    that, the kernel was compiled again in every process (seconds each)."""
+    if type(getattr(cpu._quantize, "_cache", None)).__name__ != "FunctionCache":
+        pytest.skip("no disk cache in this install")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def hits_and_misses():
+        done = subprocess.run([sys.executable, "-c", _FACTORY_KERNEL_RUN], env=env,
+                              capture_output=True, text=True, check=True)
+        return tuple(map(int, done.stdout.split()[-2:]))
+
+    assert hits_and_misses() == (0, 1)    # compiled and written
+    assert hits_and_misses() == (1, 0)    # a fresh process loads it
