@@ -104,7 +104,8 @@ class CostModel:
         """A cost model using measured profile CSVs: their rows override the roofline,
         their op rows calibrate each device's efficiencies (``calibrate=True``) and
         their cast rows fit the cast lines. For a device in several files the last
-        file's calibration wins.
+        file's calibration wins, and the first file's step overheads (a model's own
+        profile, read first, carries the overheads of its own training step).
 
         Example::
 
@@ -121,7 +122,7 @@ class CostModel:
             for key in _OVERHEAD_KEYS:
                 if key in table.metadata and "device" in table.metadata:
                     device_name = catalog.device(table.metadata["device"]).name
-                    overheads[key][device_name] = _metadata_number(table, key)
+                    overheads[key].setdefault(device_name, _metadata_number(table, key))
             ops = table.frame[table.frame["phase"].isin(OP_PHASES)]
             if calibrate:
                 for name in ops["device"].unique():

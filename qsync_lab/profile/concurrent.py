@@ -19,6 +19,7 @@ Example::
 
 import multiprocessing
 import queue
+import statistics
 from collections.abc import Sequence
 
 import pandas as pd
@@ -35,15 +36,20 @@ _POLL_S = 1.0
 def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, loss_fn: nn.Module,
                              precisions: Sequence["Precision | str"], *, processes: int = 2,
                              threads: int = 1, repeats: int = 10, warmup: int = 2,
-                             device: str = "cpu", method: str = "in_step") -> pd.DataFrame:
+                             device: str = "cpu", method: str = "in_step",
+                             step_optimizer: str | None = None) -> pd.DataFrame:
     """:func:`~qsync_lab.profile.profile_ops` in ``processes`` processes at once; each row's
-    ``time_us`` is the median over the processes (see the module docstring)."""
+    ``time_us`` is the median over the processes (see the module docstring).
+
+    ``step_optimizer``: each process then also times the whole training step with that
+    optimizer (:func:`~qsync_lab.profile.overhead.time_training_step`); the median over the
+    processes is ``rows.attrs["training_step_us"]``."""
     if processes < 1 or threads < 1:
         raise QSyncError(f"processes and threads must be positive, got {processes}, {threads}")
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(processes), context.Queue()
     args = (model, example_inputs, target, loss_fn, [str(Precision.parse(p)) for p in precisions],
-            threads, repeats, warmup, device, method, barrier, results)
+            threads, repeats, warmup, device, method, step_optimizer, barrier, results)
     workers = [context.Process(target=_worker, args=(i, *args), daemon=True)
                for i in range(processes)]
     for worker in workers:
@@ -58,7 +64,11 @@ def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, lo
     errors = [f for f in frames if isinstance(f, str)]
     if errors:
         raise QSyncError(f"a profiling process failed: {errors[0]}")
-    return median_over_processes([rows for _, rows in sorted(frames, key=lambda f: f[0])])
+    frames = sorted(frames, key=lambda f: f[0])
+    rows = median_over_processes([rows for _, rows, _ in frames])
+    if step_optimizer is not None:
+        rows.attrs["training_step_us"] = statistics.median(step for _, _, step in frames)
+    return rows
 
 
 def median_over_processes(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
@@ -93,9 +103,11 @@ def _next_result(results, workers):
 
 
 def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats, warmup,
-            device, method, barrier, results) -> None:
-    """One profiling process: wait for the others, profile, send (index, rows) or an error."""
+            device, method, step_optimizer, barrier, results) -> None:
+    """One profiling process: wait for the others, profile, send (index, rows, training
+    step µs or None) or an error."""
     from qsync_lab.profile.ops import profile_ops
+    from qsync_lab.profile.overhead import time_training_step
     from qsync_lab.profile.timing import intra_op_threads
 
     try:
@@ -103,6 +115,11 @@ def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats,
             barrier.wait()
             rows = profile_ops(model, inputs, target, loss_fn, precisions, repeats=repeats,
                                warmup=warmup, device=device, method=method, progress=False)
-        results.put((index, rows))
+            step_us = None
+            if step_optimizer is not None:
+                barrier.wait()  # the steps are timed beside each other, as the ranks run
+                step_us = time_training_step(model, inputs, target, loss_fn, step_optimizer,
+                                             repeats=repeats, warmup=warmup)
+        results.put((index, rows, step_us))
     except Exception as err:  # reported by the parent as a QSyncError
         results.put(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")

@@ -7,8 +7,12 @@ trains, rank 0 times its ops inside training steps
 spawned processes at once as the run has ranks (sharing the cores and the memory
 bandwidth as the ranks will), per distinct batch size, while the ranks wait; the
 processes keep the ranks themselves clean of the profiling's state. Rank 0 writes the
-median rows to the cache. A later run of the same model (fingerprint), batch sizes,
-precisions, intra-op threads and software reads them back.
+median rows to the cache, with the model's own step overhead: the same processes time
+its whole training step (the run's optimizer included), and what that step takes beyond
+its op rows is the profile's ``step_overhead_us``
+(:func:`~qsync_lab.profile.overhead.model_step_overhead_metadata`). A later run of the
+same model (fingerprint), batch sizes, precisions, intra-op threads, optimizer and software
+reads them back.
 
 The cache lives in ``$QSYNC_LAB_CACHE`` (default ``~/.cache/qsync_lab``), under
 ``profiles/``.
@@ -23,6 +27,7 @@ Example::
 import hashlib
 import os
 import platform
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -34,7 +39,9 @@ from tqdm.auto import tqdm
 
 from qsync_lab.costs import write_profile
 from qsync_lab.errors import QSyncError
+from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.profile.concurrent import profile_ops_concurrently
+from qsync_lab.profile.overhead import model_step_overhead_metadata
 from qsync_lab.profile.timing import run_metadata
 
 __all__ = ["cache_dir", "profile_key", "ranks_profile_model"]
@@ -49,18 +56,19 @@ def cache_dir() -> Path:
 
 
 def profile_key(fingerprint: str, batch_sizes: Sequence[int], precisions: Sequence[str], *,
-                threads: int) -> str:
+                threads: int, optimizer: str = DEFAULT_OPTIMIZER) -> str:
     """What makes a cached profile valid: the model, the ranks' batches, the precisions,
-    the threads, the software and the machine."""
+    the threads, the optimizer, the software and the machine."""
     text = "|".join([fingerprint, ",".join(map(str, batch_sizes)),
-                     ",".join(sorted(set(precisions))), str(threads), torch.__version__,
-                     platform.machine(), platform.processor(), str(os.cpu_count())])
+                     ",".join(sorted(set(precisions))), str(threads), optimizer,
+                     torch.__version__, platform.machine(), platform.processor(),
+                     str(os.cpu_count())])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def ranks_profile_model(model: nn.Module, batches: Mapping[int, tuple[tuple, torch.Tensor]],
                         loss_fn: nn.Module, *, fingerprint: str, batch_sizes: Sequence[int],
-                        precisions: Sequence[str]) -> Path:
+                        precisions: Sequence[str], optimizer: str = DEFAULT_OPTIMIZER) -> Path:
     """Call on every rank of the default process group: the path of the model's cached
     profile, measured first if missing (module docstring). ``batches``: per distinct batch
     size of ``batch_sizes``, an ``(inputs, target)`` batch (read on rank 0 only).
@@ -71,11 +79,12 @@ def ranks_profile_model(model: nn.Module, batches: Mapping[int, tuple[tuple, tor
     """
     threads = torch.get_num_threads()
     path = cache_dir() / "profiles" / (
-        profile_key(fingerprint, batch_sizes, precisions, threads=threads) + ".csv")
+        profile_key(fingerprint, batch_sizes, precisions, threads=threads,
+                    optimizer=optimizer) + ".csv")
     status = [None]
     if dist.get_rank() == 0:
         status = [_measure(path, model, batches, loss_fn, len(batch_sizes), threads,
-                           precisions, {"model_fingerprint": fingerprint,
+                           precisions, optimizer, {"model_fingerprint": fingerprint,
                                         "batch_sizes": ",".join(map(str, batch_sizes))})]
     dist.broadcast_object_list(status, src=0)  # the other ranks wait here
     if status[0]:
@@ -85,14 +94,15 @@ def ranks_profile_model(model: nn.Module, batches: Mapping[int, tuple[tuple, tor
 
 
 def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
-             precisions: Sequence[str], metadata: Mapping[str, str]) -> str:
+             precisions: Sequence[str], optimizer: str, metadata: Mapping[str, str]) -> str:
     """Write the profile at ``path`` unless it exists; "" or what went wrong, in one line."""
     if path.exists():
         return ""
     try:
         frames = [profile_ops_concurrently(model, inputs, target, loss_fn, precisions,
                                            processes=processes, threads=threads,
-                                           repeats=REPEATS, warmup=WARMUP)
+                                           repeats=REPEATS, warmup=WARMUP,
+                                           step_optimizer=optimizer)
                   for inputs, target in tqdm(batches.values(), desc="profile ops",
                                              unit="batch size")]
     except Exception as err:  # fx cannot trace it, or it does not pickle
@@ -100,5 +110,25 @@ def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
         return f"{type(err).__name__}: {text[0] if text else ''}"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_profile(path, pd.concat(frames, ignore_index=True),
-                  {**run_metadata("cpu", threads=threads), **metadata})
+                  {**run_metadata("cpu", threads=threads), **metadata,
+                   **_step_overhead(frames, model, optimizer)})
     return ""
+
+
+def _step_overhead(frames: Sequence[pd.DataFrame], model: nn.Module,
+                   optimizer: str) -> dict[str, str]:
+    """The model's own step-overhead metadata (:func:`~qsync_lab.profile.overhead.
+    model_step_overhead_metadata`), the mean over its batch sizes: each measured training
+    step minus its fp32 op rows and the optimizer step as the cost model costs it."""
+    from qsync_lab.costs import CostModel
+    from qsync_lab.devices import load_catalog
+    from qsync_lab.resources import data_file
+
+    param_bytes = 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
+        param_bytes, optimizer, load_catalog().device("cpu")).us
+    steps_us = [frame.attrs["training_step_us"] for frame in frames]
+    rows_us = [float(frame.loc[frame["precision"] == "fp32", "time_us"].sum())
+               for frame in frames]
+    return model_step_overhead_metadata(statistics.fmean(steps_us), statistics.fmean(rows_us),
+                                        optimizer_us)

@@ -13,12 +13,21 @@ The fit travels in a profile's metadata (``step_overhead_us`` and ``event_overhe
 and the cost model applies it to the ranks whose op times are measured
 (:attr:`qsync_lab.costs.CostModel.step_overhead_us`, ``event_overhead_us``).
 
+A model profiled for its own run (:mod:`qsync_lab.profile.model_cache`) does better than
+the held-out line: beside its op rows, the same processes time the model's whole training
+step as the run takes it (:func:`time_training_step`: the run's optimizer and non-finite
+gradient check included), and its profile's step overhead is what that step takes beyond
+its fp32 op rows and the costed optimizer step (:func:`model_step_overhead_metadata`):
+view copies, the optimizer's per-tensor loop, the framework's own work.
+
 Example::
 
     >>> fit = fit_step_overhead(depths=(1, 4), width=8, repeats=3, warmup=1)
     >>> fit.samples, sorted(step_overhead_metadata(fit))
     (2, ['event_overhead_us', 'step_overhead_us'])
 """
+
+import copy
 
 import torch
 from torch import nn
@@ -30,7 +39,7 @@ from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.timing import median_time_us
 
 __all__ = ["EVENT_OVERHEAD_KEY", "STEP_OVERHEAD_KEY", "fit_step_overhead",
-           "step_overhead_metadata"]
+           "model_step_overhead_metadata", "step_overhead_metadata", "time_training_step"]
 
 EVENT_OVERHEAD_KEY = "event_overhead_us"
 STEP_OVERHEAD_KEY = "step_overhead_us"
@@ -98,3 +107,52 @@ def step_overhead_metadata(fit: LineFit) -> dict[str, str]:
     tail = f"; r2={fit.r2:.4f}; samples={fit.samples}"
     return {STEP_OVERHEAD_KEY: f"{fit.intercept:.3f}{tail}",
             EVENT_OVERHEAD_KEY: f"{fit.slope:.3f}{tail}"}
+
+
+def time_training_step(model: nn.Module, example_inputs, target: torch.Tensor,
+                       loss_fn: nn.Module, optimizer: str, *, repeats: int = 10,
+                       warmup: int = 3) -> float:
+    """Median µs of one training step as a run takes it, on a copy of ``model``:
+    ``zero_grad``, forward (``model(**inputs)`` for a dict batch), loss, backward, the
+    non-finite gradient check and ``optimizer``'s step (a small learning rate: the timed
+    steps see nearly the same weights).
+
+    Example::
+
+        >>> step_us = time_training_step(nn.Linear(8, 2), (torch.randn(4, 8),),
+        ...                              torch.tensor([0, 1, 0, 1]), nn.CrossEntropyLoss(),
+        ...                              "sgd_momentum", repeats=3, warmup=1)
+        >>> step_us > 0
+        True
+    """
+    from qsync_lab.graph.opgraph import _loss_root
+    from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
+
+    root, inputs = _loss_root(copy.deepcopy(model), loss_fn, example_inputs)
+    opt = make_optimizer(optimizer, root.parameters(), lr=1e-6)
+
+    def step():
+        opt.zero_grad()
+        root(*inputs, target).backward()
+        if gradient_sums_finite([p.grad for p in root.parameters() if p.grad is not None]):
+            opt.step()
+
+    keep_freed_memory()  # as the ranks whose steps this predicts
+    return median_time_us(step, repeats=repeats, warmup=warmup)
+
+
+def model_step_overhead_metadata(step_us: float, fp32_rows_us: float,
+                                 optimizer_us: float) -> dict[str, str]:
+    """The step-overhead metadata of a model's own profile: its measured training step
+    minus its fp32 op rows and the optimizer step the cost model adds; no separate cost
+    per op event (the step's remainder holds it).
+
+    Example::
+
+        >>> model_step_overhead_metadata(1200.0, 900.0, 50.0)["step_overhead_us"]
+        '250.000; training step 1200.0 us - fp32 op rows 900.0 us - optimizer 50.0 us'
+    """
+    residual = step_us - fp32_rows_us - optimizer_us
+    return {STEP_OVERHEAD_KEY: f"{residual:.3f}; training step {step_us:.1f} us - fp32 op "
+                               f"rows {fp32_rows_us:.1f} us - optimizer {optimizer_us:.1f} us",
+            EVENT_OVERHEAD_KEY: "0.000; held in step_overhead_us (measured on this model)"}

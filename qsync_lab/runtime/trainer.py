@@ -63,7 +63,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.io import atomic_write_text
-from qsync_lab.optimizers import OPTIMIZER_STATES
+from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
 from qsync_lab.plan import Plan
 from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
 from qsync_lab.runtime.checkpoint import (capture_rng_state, checkpoint_path,
@@ -215,7 +215,8 @@ class _Run:
         try:
             return str(ranks_profile_model(
                 model, batches, self.task.loss_fn(), fingerprint=self.plan.model_fingerprint,
-                batch_sizes=self.batch_sizes, precisions=sorted(precisions)))
+                batch_sizes=self.batch_sizes, precisions=sorted(precisions),
+                optimizer=self.optimizer_name))
         except QSyncError as err:
             self._note(f"qsync_lab: {err}")
             return None
@@ -318,8 +319,7 @@ class _Run:
         looked at (a sum that merely overflowed is no finding)."""
         named = [(name, p.grad) for name, p in self.ddp.module.named_parameters()
                  if p.grad is not None]
-        sums = torch.stack([torch.sum(g, dtype=torch.float32) for _, g in named])
-        if bool(torch.isfinite(sums).all()):
+        if gradient_sums_finite([g for _, g in named]):
             return None
         return next((name for name, g in named if not bool(torch.isfinite(g).all())), None)
 
@@ -476,27 +476,6 @@ class _Run:
 def _process_peak_rss_bytes() -> int:
     """The process's peak resident set size (all memory, not only tensors), in bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-
-
-def make_optimizer(name: str, parameters, *, lr: float, momentum: float = 0.9):
-    """The torch optimizer called ``name`` (one of :data:`~qsync_lab.optimizers.OPTIMIZER_STATES`).
-
-    Example::
-
-        >>> import torch
-        >>> make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(2))], lr=0.1).defaults["momentum"]
-        0
-    """
-    parameters = list(parameters)
-    if name == "sgd":
-        return torch.optim.SGD(parameters, lr=lr)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(parameters, lr=lr, momentum=momentum)
-    if name == "adam":
-        return torch.optim.Adam(parameters, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=lr)
-    raise QSyncError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
 
 
 def _progress(rank: int, start: int, steps: int):

@@ -214,9 +214,11 @@ class PlanTuner:
         except QSyncError as err:
             self.export_status.value = error_html(str(err), None)
             return
-        commands = "\n".join(cluster_commands(path, self.result.plan))
-        self.export_status.value = (f"wrote <code>{html.escape(str(path))}</code>; on the "
-                                    f"cluster:<pre>{html.escape(commands)}</pre>")
+        shown = path.relative_to(self.root.resolve())  # export_plan keeps it inside root
+        commands = "\n".join(cluster_commands(shown, self.result.plan))
+        self.export_status.value = (f"wrote <code>{html.escape(str(shown))}</code> in the "
+                                    f"tuner's root folder; on the cluster, from that folder:"
+                                    f"<pre>{html.escape(commands)}</pre>")
 
     def _start_run(self, _button=None) -> None:
         """Train the shown plan on this machine in the background, drawn live."""

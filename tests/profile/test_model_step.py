@@ -1,0 +1,94 @@
+"""A user model's own step overhead: its measured training step beyond its op rows."""
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from qsync_lab import optimizers
+from qsync_lab.costs import CostModel, write_profile
+from qsync_lab.devices import load_catalog
+from qsync_lab.profile import model_cache
+from qsync_lab.profile.concurrent import profile_ops_concurrently
+from qsync_lab.profile.model_cache import profile_key
+from qsync_lab.profile.overhead import model_step_overhead_metadata, time_training_step
+from qsync_lab.resources import data_file
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _batch():
+    return (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0])
+
+
+def test_the_timed_step_runs_the_named_optimizer_on_a_copy(monkeypatch):
+    made = []
+    real = optimizers.make_optimizer
+    monkeypatch.setattr(optimizers, "make_optimizer",
+                        lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    inputs, target = _batch()
+    step_us = time_training_step(model, inputs, target, nn.CrossEntropyLoss(), "adamw",
+                                 repeats=3, warmup=1)
+    assert step_us > 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # untouched
+    (optimizer,) = made
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert all(optimizer.state[p]["step"] == 4 for p in optimizer.param_groups[0]["params"])
+
+
+def test_a_non_finite_gradient_skips_the_timed_optimizer_step(monkeypatch):
+    made = []
+    real = optimizers.make_optimizer
+    monkeypatch.setattr(optimizers, "make_optimizer",
+                        lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    inputs, target = (torch.full((4, 8), float("nan")),), torch.tensor([0, 1, 2, 0])
+    time_training_step(_mlp(), inputs, target, nn.CrossEntropyLoss(), "sgd_momentum",
+                       repeats=2, warmup=0)
+    assert not made[0].state  # never stepped: as the run skips or stops such a step
+
+
+def test_the_step_overhead_is_the_step_beyond_its_rows_and_wins_over_the_shipped_one(tmp_path):
+    metadata = model_step_overhead_metadata(1500.0, 1000.0, 120.0)
+    rows = pd.DataFrame([{"device": "cpu", "op": "0", "kind": "linear", "shape_key": "x",
+                          "precision": "fp32", "plan_precision": "fp32", "phase": "forward",
+                          "batch_size": 4, "numel": 1, "flops": 1.0, "bytes": 1.0,
+                          "time_us": 1000.0, "repeats": 3}])
+    write_profile(tmp_path / "model.csv", rows, {"device": "cpu", **metadata})
+    costs = CostModel.from_profiles(tmp_path / "model.csv", data_file("profiles", "cpu.csv"))
+    assert costs.step_overhead_us["cpu"] == pytest.approx(380.0)
+    assert costs.event_overhead_us["cpu"] == 0.0
+    shipped = CostModel.from_profiles(data_file("profiles", "cpu.csv"))
+    assert shipped.step_overhead_us["cpu"] != pytest.approx(380.0)
+
+
+def test_the_cached_profile_carries_the_measured_step_overhead(tmp_path):
+    rows = pd.DataFrame({"precision": ["fp32", "fp32", "bf16"], "time_us": [300.0, 500.0, 90.0]})
+    rows.attrs["training_step_us"] = 2000.0
+    model = _mlp()
+    metadata = model_cache._step_overhead([rows], model, "sgd_momentum")
+    params = 4.0 * sum(p.numel() for p in model.parameters())
+    optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
+        params, "sgd_momentum", load_catalog().device("cpu")).us
+    residual = float(metadata["step_overhead_us"].split(";")[0])
+    assert residual == pytest.approx(2000.0 - 800.0 - optimizer_us, abs=1e-3)
+
+
+def test_the_cache_key_holds_the_optimizer():
+    keys = {profile_key("f00d", [16, 16], ["fp32"], threads=1, optimizer=name)
+            for name in ("sgd", "sgd_momentum", "adamw")}
+    assert len(keys) == 3
+
+
+def test_concurrent_profiling_times_the_training_step_in_every_process():
+    inputs, target = _batch()
+    rows = profile_ops_concurrently(_mlp(), inputs, target, nn.CrossEntropyLoss(), ["fp32"],
+                                    processes=2, repeats=2, warmup=0, step_optimizer="sgd")
+    assert rows.attrs["training_step_us"] > 0
+    plain = profile_ops_concurrently(_mlp(), inputs, target, nn.CrossEntropyLoss(), ["fp32"],
+                                     processes=1, repeats=2, warmup=0)
+    assert "training_step_us" not in plain.attrs
