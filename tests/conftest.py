@@ -38,3 +38,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """A traced MLP (Linear 8->16, ReLU, Linear 16->4) at batch 2: the plan tests' graph."""
+    import torch
+    from torch import nn
+
+    from qsync_lab.graph import trace_graph
+
+    torch.manual_seed(0)
+    return trace_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                       torch.randn(2, 8))

@@ -16,13 +16,6 @@ from qsync_lab.policy import OpPrecision
 
 
 @pytest.fixture(scope="module")
-def graph():
-    torch.manual_seed(0)
-    return trace_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
-                       torch.randn(2, 8))
-
-
-@pytest.fixture(scope="module")
 def cluster():
     return load_cluster("v100-t4-small")
 

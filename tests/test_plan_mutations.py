@@ -7,14 +7,11 @@ import json
 import math
 
 import pytest
-import torch
-import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsync_lab.cluster import cluster_from_definition, load_cluster
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph import trace_graph
 from qsync_lab.plan import Plan
 from qsync_lab.simulate import simulate
 
@@ -34,13 +31,6 @@ HOSTILE = st.one_of(
     st.dictionaries(st.text(max_size=4), st.integers(-3, 3), max_size=2),
 )
 MUTATIONS = ("replace", "delete", "add_key", "nest", "nest_deep")
-
-
-@pytest.fixture(scope="module")
-def graph():
-    torch.manual_seed(0)
-    return trace_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
-                       torch.randn(2, 8))
 
 
 @pytest.fixture(scope="module")
