@@ -195,16 +195,18 @@ class Study:
     def profile(self, out: "str | os.PathLike[str]", *, repeats: int = 5, threads: int = 1,
                 precisions: Sequence["Precision | str"] | None = None,
                 compression: Sequence[str] = ()):
-        """Measure this machine's op costs for the model, as many processes at once as the
-        cluster has local ranks (``threads`` each; :meth:`run` then uses as many), and the
-        encode and decode of each ``compression`` spec, into ``out``; the study's costs
-        then read it before the shipped CPU profile (casts, links and the default
-        compressors). Returns what was written."""
+        """Measure this machine's op costs for the model (a zoo model at its ranks' batch
+        size), as many processes at once as the cluster has local ranks (``threads`` each;
+        :meth:`run` then uses as many), the model's own step overhead (its training step
+        with the study's optimizer, timed beside them) and the encode and decode of each
+        ``compression`` spec, into ``out``; the study's costs then read it before the
+        shipped CPU profile (casts, links and the default compressors). Returns what was
+        written."""
         from qsync_lab.compress import CompressionSpec
         from qsync_lab.profile import ProfileJob, profile_machine
         from qsync_lab.resources import data_file
 
-        inputs, target = self.example
+        inputs, target = self._profile_batch()
         inputs = inputs if isinstance(inputs, tuple | list) else (inputs,)
         names = ["fp32", *(str(p) for p in (precisions or self.low_precisions))]
         written = profile_machine([ProfileJob(self.name, self.model, tuple(inputs), target,
@@ -212,11 +214,22 @@ class Study:
                                   threads=threads, repeats=repeats,
                                   processes=self.cluster.world_size, casts=False, links=None,
                                   compression=[str(CompressionSpec.parse(c)) for c in compression],
-                                  progress=self.progress)
+                                  step_optimizer=self.optimizer, progress=self.progress)
         self.profiles = (str(out), str(data_file("profiles", "cpu.csv")))
         self.costs = load_cost_model(*self.profiles)
         self.run_threads = threads
         return written
+
+    def _profile_batch(self):
+        """The batch the ops are timed at: a zoo model's at its ranks' batch size when they
+        share one (the rows then are the run's own, not scaled from the small example),
+        else the example batch."""
+        from qsync_lab.models import example_batch as zoo_batch
+
+        sizes = {rank.batch_size for rank in self.cluster.ranks}
+        if self.zoo_name and len(sizes) == 1:
+            return zoo_batch(self.zoo_name, sizes.pop(), **self.model_kwargs)
+        return self.example
 
     def predict_run(self, plan: Plan):
         """What a local run of ``plan`` is predicted to measure: emulated device kinds

@@ -25,3 +25,21 @@ def test_predict_run_without_profiles_uses_the_runs_costs(study_and_plan):
     roofline = predict_plan(plan, study.graph, CostModel()).iteration_us
     assert study.predict_run(plan).iteration_us == pytest.approx(expected)
     assert expected != pytest.approx(roofline, rel=0.05)  # the two really differ
+
+
+def test_a_zoo_model_is_profiled_at_its_ranks_batch_size(study_and_plan):
+    """Rows timed on the 2-sample example and scaled to the ranks' 16 predicted the README
+    example's BERT-mini run at half its measured step; the run's own batch is timed instead."""
+    study, _ = study_and_plan
+    (images,), labels = study._profile_batch()
+    assert len(images) == len(labels) == 16 == study.cluster.ranks[0].batch_size
+    assert len(study.example[1]) == 2  # the traced example stays small
+
+
+def test_a_module_is_profiled_at_its_example_batch():
+    import torch
+    from torch import nn
+
+    batch = ((torch.randn(3, 4),), torch.tensor([0, 1, 0]))
+    study = Study(nn.Linear(4, 2), batch, cluster="local-hybrid", progress=False)
+    assert study._profile_batch() is batch

@@ -122,4 +122,5 @@ def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats,
                                              repeats=repeats, warmup=warmup)
         results.put((index, rows, step_us))
     except Exception as err:  # reported by the parent as a QSyncError
+        barrier.abort()  # a process waiting for this one at a barrier fails too, not hangs
         results.put(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")

@@ -7,7 +7,10 @@ need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_devic
    (:func:`~qsync_lab.profile.profile_ops`, in ``processes`` processes at once as that
    many local ranks will run);
 2. ``casts`` (optional): the runtime's precision conversions and DDP's in-place copies;
-3. ``step overhead``: the framework's cost of a training step (calibration MLPs);
+3. ``step overhead``: the framework's cost of a training step: for one model with a
+   ``step_optimizer``, that model's own (its whole training step timed beside the op rows,
+   :func:`~qsync_lab.profile.overhead.measured_step_overhead_metadata`), else fitted on
+   calibration MLPs;
 4. ``links`` (optional): gloo allreduces fitted α–β, refitted to what real DDP steps add
    (``"ddp"``), and DDP's buffer broadcast;
 5. ``compression`` (optional): the gradient compressors' encode and decode per spec
@@ -51,7 +54,8 @@ from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast,
                                        measure_buffer_broadcast, measure_compressed_steps,
                                        measure_ddp_overhead)
 from qsync_lab.profile.ops import profile_ops
-from qsync_lab.profile.overhead import fit_step_overhead, step_overhead_metadata
+from qsync_lab.profile.overhead import (fit_step_overhead, measured_step_overhead_metadata,
+                                        step_overhead_metadata, time_training_step)
 from qsync_lab.profile.timing import intra_op_threads, run_metadata
 
 __all__ = ["LINK_METHODS", "ProfileJob", "ProfileWritten", "profile_machine"]
@@ -90,7 +94,8 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                     precisions: Sequence["Precision | str"], threads: int = 1,
                     repeats: int = 10, processes: int = 1, method: str = "in_step",
                     casts: bool = True, links: str | None = "ddp",
-                    compression: Sequence[str] = (), progress: bool = True) -> ProfileWritten:
+                    compression: Sequence[str] = (), step_optimizer: str | None = None,
+                    progress: bool = True) -> ProfileWritten:
     """Run the stages of the module docstring and write the profile to ``out``.
 
     Raises:
@@ -106,7 +111,9 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
               + ["step overhead"] + ([f"links ({links})"] if links else [])
               + (["compression"] if compression else []))
     bar = tqdm(stages, desc="profile", unit="stage", disable=not progress)
-    measure = (functools.partial(profile_ops_concurrently, processes=processes, threads=threads)
+    own_step = step_optimizer if len(jobs) == 1 else None  # several models: one shared fit
+    measure = (functools.partial(profile_ops_concurrently, processes=processes, threads=threads,
+                                 step_optimizer=own_step)
                if processes > 1 else functools.partial(profile_ops, progress=False))
     frames, metadata = [], {**run_metadata("cpu", threads=threads), "profile_method": method}
     if processes > 1:
@@ -116,6 +123,9 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
             bar.set_postfix_str(f"ops of {job.name}")
             rows = measure(job.model, job.inputs, job.target, job.loss_fn, names,
                            repeats=repeats, method=method)
+            if own_step and processes == 1:
+                rows.attrs["training_step_us"] = time_training_step(
+                    job.model, job.inputs, job.target, job.loss_fn, own_step, repeats=repeats)
             # several models share op names (conv1, fc): match their rows by kind and shape
             frames.append(rows.assign(op="") if len(jobs) > 1 else rows)
             bar.update()
@@ -127,7 +137,9 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                              for pair, fit in fit_casts(cast_rows).items()})
             bar.update()
         bar.set_postfix_str("step overhead")
-        metadata.update(step_overhead_metadata(fit_step_overhead(repeats=repeats,
+        metadata.update(measured_step_overhead_metadata(frames, jobs[0].model, own_step)
+                        if own_step else
+                        step_overhead_metadata(fit_step_overhead(repeats=repeats,
                                                                  method=method)))
         bar.update()
     link_text = ""

@@ -27,7 +27,6 @@ Example::
 import hashlib
 import os
 import platform
-import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from qsync_lab.costs import write_profile
 from qsync_lab.errors import QSyncError
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.profile.concurrent import profile_ops_concurrently
-from qsync_lab.profile.overhead import model_step_overhead_metadata
+from qsync_lab.profile.overhead import measured_step_overhead_metadata
 from qsync_lab.profile.timing import run_metadata
 
 __all__ = ["cache_dir", "profile_key", "ranks_profile_model"]
@@ -111,24 +110,5 @@ def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
     path.parent.mkdir(parents=True, exist_ok=True)
     write_profile(path, pd.concat(frames, ignore_index=True),
                   {**run_metadata("cpu", threads=threads), **metadata,
-                   **_step_overhead(frames, model, optimizer)})
+                   **measured_step_overhead_metadata(frames, model, optimizer)})
     return ""
-
-
-def _step_overhead(frames: Sequence[pd.DataFrame], model: nn.Module,
-                   optimizer: str) -> dict[str, str]:
-    """The model's own step-overhead metadata (:func:`~qsync_lab.profile.overhead.
-    model_step_overhead_metadata`), the mean over its batch sizes: each measured training
-    step minus its fp32 op rows and the optimizer step as the cost model costs it."""
-    from qsync_lab.costs import CostModel
-    from qsync_lab.devices import load_catalog
-    from qsync_lab.resources import data_file
-
-    param_bytes = 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
-        param_bytes, optimizer, load_catalog().device("cpu")).us
-    steps_us = [frame.attrs["training_step_us"] for frame in frames]
-    rows_us = [float(frame.loc[frame["precision"] == "fp32", "time_us"].sum())
-               for frame in frames]
-    return model_step_overhead_metadata(statistics.fmean(steps_us), statistics.fmean(rows_us),
-                                        optimizer_us)

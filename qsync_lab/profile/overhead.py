@@ -28,6 +28,7 @@ Example::
 """
 
 import copy
+import statistics
 
 import torch
 from torch import nn
@@ -39,7 +40,8 @@ from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.timing import median_time_us
 
 __all__ = ["EVENT_OVERHEAD_KEY", "STEP_OVERHEAD_KEY", "fit_step_overhead",
-           "model_step_overhead_metadata", "step_overhead_metadata", "time_training_step"]
+           "measured_step_overhead_metadata", "model_step_overhead_metadata",
+           "step_overhead_metadata", "time_training_step"]
 
 EVENT_OVERHEAD_KEY = "event_overhead_us"
 STEP_OVERHEAD_KEY = "step_overhead_us"
@@ -156,3 +158,21 @@ def model_step_overhead_metadata(step_us: float, fp32_rows_us: float,
     return {STEP_OVERHEAD_KEY: f"{residual:.3f}; training step {step_us:.1f} us - fp32 op "
                                f"rows {fp32_rows_us:.1f} us - optimizer {optimizer_us:.1f} us",
             EVENT_OVERHEAD_KEY: "0.000; held in step_overhead_us (measured on this model)"}
+
+
+def measured_step_overhead_metadata(frames, model: nn.Module, optimizer: str) -> dict[str, str]:
+    """:func:`model_step_overhead_metadata` of profile ``frames`` (one per batch size, each
+    with ``attrs["training_step_us"]``), the mean over them: each measured training step
+    minus its fp32 op rows and the optimizer step as the cost model costs it."""
+    from qsync_lab.costs import CostModel
+    from qsync_lab.devices import load_catalog
+    from qsync_lab.resources import data_file
+
+    param_bytes = 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
+        param_bytes, optimizer, load_catalog().device("cpu")).us
+    steps_us = [frame.attrs["training_step_us"] for frame in frames]
+    rows_us = [float(frame.loc[frame["precision"] == "fp32", "time_us"].sum())
+               for frame in frames]
+    return model_step_overhead_metadata(statistics.fmean(steps_us), statistics.fmean(rows_us),
+                                        optimizer_us)

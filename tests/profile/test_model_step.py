@@ -1,5 +1,8 @@
 """A user model's own step overhead: its measured training step beyond its op rows."""
 
+import os
+import threading
+
 import pandas as pd
 import pytest
 import torch
@@ -7,11 +10,12 @@ from torch import nn
 
 from qsync_lab import optimizers
 from qsync_lab.costs import CostModel, write_profile
+from qsync_lab.errors import QSyncError
 from qsync_lab.devices import load_catalog
-from qsync_lab.profile import model_cache
 from qsync_lab.profile.concurrent import profile_ops_concurrently
 from qsync_lab.profile.model_cache import profile_key
-from qsync_lab.profile.overhead import model_step_overhead_metadata, time_training_step
+from qsync_lab.profile.overhead import (measured_step_overhead_metadata,
+                                        model_step_overhead_metadata, time_training_step)
 from qsync_lab.resources import data_file
 
 
@@ -70,7 +74,7 @@ def test_the_cached_profile_carries_the_measured_step_overhead(tmp_path):
     rows = pd.DataFrame({"precision": ["fp32", "fp32", "bf16"], "time_us": [300.0, 500.0, 90.0]})
     rows.attrs["training_step_us"] = 2000.0
     model = _mlp()
-    metadata = model_cache._step_overhead([rows], model, "sgd_momentum")
+    metadata = measured_step_overhead_metadata([rows], model, "sgd_momentum")
     params = 4.0 * sum(p.numel() for p in model.parameters())
     optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
         params, "sgd_momentum", load_catalog().device("cpu")).us
@@ -92,3 +96,43 @@ def test_concurrent_profiling_times_the_training_step_in_every_process():
     plain = profile_ops_concurrently(_mlp(), inputs, target, nn.CrossEntropyLoss(), ["fp32"],
                                      processes=1, repeats=2, warmup=0)
     assert "training_step_us" not in plain.attrs
+
+
+class _FailsInAllButOneProcess(nn.Module):
+    """Works in the process that calls it first (it creates ``marker``), fails in the others."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker, self.linear = marker, nn.Linear(8, 3)
+
+    def forward(self, x):
+        if not hasattr(self, "first"):
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+                self.first = True
+            except FileExistsError:
+                self.first = False
+        if not self.first:
+            raise RuntimeError("this process's model fails")
+        return self.linear(x)
+
+
+def test_a_failing_profiling_process_does_not_leave_the_other_waiting(tmp_path):
+    """The working process waits at the step-timing barrier for the failed one: it must be
+    released (and report), not hang the run's rank 0."""
+    inputs, target = _batch()
+    outcome = []
+
+    def profile():
+        try:
+            profile_ops_concurrently(_FailsInAllButOneProcess(str(tmp_path / "first")), inputs,
+                                     target, nn.CrossEntropyLoss(), ["fp32"], processes=2,
+                                     repeats=1, warmup=0, step_optimizer="sgd")
+        except QSyncError as err:
+            outcome.append(str(err))
+
+    thread = threading.Thread(target=profile, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the profiling hung"
+    assert outcome and "profiling process failed" in outcome[0]
