@@ -136,3 +136,21 @@ def test_a_failing_profiling_process_does_not_leave_the_other_waiting(tmp_path):
     thread.join(timeout=120)
     assert not thread.is_alive(), "the profiling hung"
     assert outcome and "profiling process failed" in outcome[0]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_one_model_machine_profile_carries_that_models_step_overhead(tmp_path, processes):
+    from qsync_lab.costs import read_profile
+    from qsync_lab.profile import ProfileJob, profile_machine
+
+    inputs, target = _batch()
+    job = ProfileJob("mlp", _mlp(), inputs, target, nn.CrossEntropyLoss())
+    profile_machine([job], tmp_path / "own.csv", precisions=["fp32"], repeats=2,
+                    processes=processes, casts=False, links=None, step_optimizer="sgd",
+                    progress=False)
+    profile_machine([job], tmp_path / "fit.csv", precisions=["fp32"], repeats=2,
+                    casts=False, links=None, progress=False)
+    own = read_profile(tmp_path / "own.csv").metadata
+    assert "training step" in own["step_overhead_us"]
+    assert own["event_overhead_us"].startswith("0.000")
+    assert "r2=" in read_profile(tmp_path / "fit.csv").metadata["step_overhead_us"]  # MLP fit
