@@ -1,10 +1,13 @@
 """The tutorial notebooks are saved as they ran: numbered 01-07, every code cell executed
-top to bottom in one run, no error outputs, and plotly.js embedded at most once, so that the saved figures (``text/html``
-outputs) render without a kernel. nbval re-runs them and compares the cells marked
-``# NBVAL_CHECK_OUTPUT`` (``pytest --nbval-lax notebooks/``, part of the default test run).
+top to bottom in one run, no error outputs, figures saved as plotly JSON (drawn without a
+kernel by JupyterLab's, Voila's and VS Code's plotly renderer), and small: no plotly.js and no
+widget state (a plotly ``FigureWidget`` carries plotly.js, ~5 MB) in the file. nbval re-runs
+them and compares the cells marked ``# NBVAL_CHECK_OUTPUT`` (``pytest --nbval-lax
+notebooks/``, part of the default test run).
 
 A notebook saved without running (or edited after its run) fails here: execute it with
-``jupyter nbconvert --to notebook --execute --inplace notebooks/NN_name.ipynb``.
+``jupyter nbconvert --to notebook --execute --inplace
+--ExecutePreprocessor.store_widget_state=False notebooks/NN_name.ipynb``.
 """
 
 import json
@@ -16,10 +19,9 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 REQUIRED = {"01", "02", "03", "04", "05", "06", "07"}
 NAME = re.compile(r"(0[1-7])_[a-z0-9_]+\.ipynb")
-PLOTLY_JS = re.compile(r"\* plotly\.js v\d")  # the licence header of the embedded bundle
-FIGURE = "Plotly.newPlot"
-#: plotly.js itself is ~4.9 MB; a notebook's own outputs may add at most about 1 MB more
-MAX_BYTES = 6 * 2**20
+PLOTLY_JS = re.compile(r"\* plotly\.js v\d")  # the licence header of the bundle
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
+MAX_BYTES = 2**20
 
 
 def _paths() -> list[Path]:
@@ -32,11 +34,6 @@ def _cells(path: Path) -> list[dict]:
 
 def _text(value) -> str:
     return "".join(value) if isinstance(value, list) else str(value)
-
-
-def _html_outputs(cell: dict) -> list[str]:
-    return [_text(o["data"]["text/html"]) for o in cell.get("outputs", [])
-            if "text/html" in o.get("data", {})]
 
 
 def test_the_notebooks_are_numbered_01_to_07():
@@ -74,20 +71,21 @@ def test_no_cell_saved_an_error(path):
 
 
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
-def test_plotly_js_is_embedded_at_most_once_before_the_first_figure(path):
-    html = [h for c in _cells(path) for h in _html_outputs(c)]
-    bundles = [i for i, h in enumerate(html) if PLOTLY_JS.search(h)]
-    figures = [i for i, h in enumerate(html) if FIGURE in h and not PLOTLY_JS.search(h)]
-    assert len(bundles) <= 1, f"{path.name}: plotly.js embedded {len(bundles)} times"
-    if figures:
-        assert bundles and bundles[0] < figures[0], \
-            f"{path.name}: figures saved without plotly.js before them; set " \
-            "plotly.io.renderers.default = 'notebook' before the first figure"
-    plotly_json_only = [o for c in _cells(path) for o in c.get("outputs", [])
-                        if "application/vnd.plotly.v1+json" in o.get("data", {})
-                        and "text/html" not in o["data"]]
-    assert not plotly_json_only, f"{path.name}: figures saved only as plotly JSON (need a kernel " \
-                                 "or an extension to render)"
+def test_figures_are_saved_as_plotly_json_without_plotly_js(path):
+    outputs = [o for c in _cells(path) for o in c.get("outputs", [])]
+    bundles = [o for o in outputs if any(PLOTLY_JS.search(_text(v)) for v in o.get("data", {}).values())]
+    assert not bundles, f"{path.name}: plotly.js saved in {len(bundles)} outputs; set " \
+                        "plotly.io.renderers.default = 'plotly_mimetype' before the first figure"
+    figures = [o["data"][PLOTLY_JSON] for o in outputs if PLOTLY_JSON in o.get("data", {})]
+    assert figures, f"{path.name}: no figure saved as plotly JSON"  # every notebook draws some
+    assert all(f.get("data") for f in figures), f"{path.name}: a saved figure has no traces"
+
+
+def test_no_notebook_saves_widget_state():
+    saved = [p.name for p in _paths()
+             if "widgets" in json.loads(p.read_text(encoding="utf-8"))["metadata"]]
+    assert not saved, f"widget state saved in {saved} (plotly.js inside); execute with " \
+                      "--ExecutePreprocessor.store_widget_state=False"
 
 
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)

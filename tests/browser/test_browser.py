@@ -97,6 +97,15 @@ def test_moving_the_memory_slider_replans_and_redraws(browser, tuner_url, tmp_pa
     _screenshot(browser, tmp_path / "tuner.png", also=os.environ.get("QSYNC_LAB_SCREENSHOTS"))
 
 
+def test_a_figure_saved_as_plotly_json_is_drawn(browser, tuner_url):
+    """The notebook's plain figure (a ``plotly_mimetype`` output, as every tutorial notebook
+    saves its figures) is drawn by the plotly renderer Voila loads, not by a kernel widget."""
+    browser.get(tuner_url)
+    WebDriverWait(browser, NOTEBOOK_DONE_S).until(lambda d: _output_figures(d))
+    bars = _output_figures(browser)[0].find_elements(By.CSS_SELECTOR, "g.trace.bars, g.point")
+    assert bars, "the timeline figure was drawn without bars"
+
+
 def test_the_report_renders_every_figure_offline(browser, tmp_path):
     study = Study("digits_mlp", cluster="local-hybrid", progress=False)
     path = write_report(study.plan(), tmp_path / "report.html", study=study)
@@ -128,6 +137,13 @@ def _timeline_svg(browser):
     """The plot of the tuner's first tab (the timeline), or None before it is drawn."""
     return next(iter(browser.find_elements(
         By.CSS_SELECTOR, ".widget-tab .widget-tab-contents > :first-child svg.main-svg")), None)
+
+
+def _output_figures(browser) -> list:
+    """Plotly figures drawn outside any widget (cell outputs), once drawn."""
+    return [f for f in browser.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")
+            if not f.find_elements(By.XPATH, "ancestor::*[contains(@class, 'widget-tab')]")
+            and f.find_elements(By.CSS_SELECTOR, "svg.main-svg")]
 
 
 def _screenshot(browser, path: Path, *, also: str | None = None) -> None:
