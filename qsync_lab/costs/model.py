@@ -52,6 +52,8 @@ __all__ = ["Cost", "CostModel"]
 _CAST_KIND = "cast"
 #: profile metadata keys (and CostModel fields) of the step-overhead fit
 _OVERHEAD_KEYS = ("step_overhead_us", "event_overhead_us")
+#: profile metadata key prefix of the per-op cost of low precision (``op_overhead_us.bf16``)
+_OP_OVERHEAD_PREFIX = "op_overhead_us."
 _OPTIMIZER_KIND = "optimizer"
 
 
@@ -82,6 +84,10 @@ class CostModel:
             ``step_overhead_us`` metadata); one ``framework`` event per iteration.
         event_overhead_us: device name -> the same fit's correction per measured op event
             (may be negative; an event never drops below zero).
+        precision_op_overhead_us: (device name, precision) -> µs each measured forward event
+            computed in that low precision adds: what a model's steps under a uniform plan
+            take beyond its rows (a profile's ``op_overhead_us.<precision>`` metadata,
+            :func:`qsync_lab.profile.overhead.precision_op_overhead_metadata`).
         casts_in_measured_ops: measured op times include the op's own casts (the runtime's
             ops cast their operands, and the profiler times them whole), so the simulator
             adds no cast events for a phase whose time is measured. False for tables of
@@ -96,6 +102,8 @@ class CostModel:
     link_fits: Mapping[str, LinkSpec] = field(default_factory=dict)
     step_overhead_us: Mapping[str, float] = field(default_factory=dict)
     event_overhead_us: Mapping[str, float] = field(default_factory=dict)
+    precision_op_overhead_us: Mapping[tuple[str, Precision], float] = field(
+        default_factory=dict)
     casts_in_measured_ops: bool = True
 
     @classmethod
@@ -117,12 +125,19 @@ class CostModel:
         rooflines: dict[str, Roofline] = {}
         cast_fits: dict[tuple[str, Precision, Precision], CastFit] = {}
         compress_fits: dict[tuple[str, str, str], CastFit] = {}
-        overheads: dict[str, dict[str, float]] = {key: {} for key in _OVERHEAD_KEYS}
+        overheads: dict[str, dict] = {key: {} for key in _OVERHEAD_KEYS}
+        op_overheads: dict[tuple[str, Precision], float] = {}
         for table in tables:
-            for key in _OVERHEAD_KEYS:
-                if key in table.metadata and "device" in table.metadata:
-                    device_name = catalog.device(table.metadata["device"]).name
-                    overheads[key].setdefault(device_name, _metadata_number(table, key))
+            if "device" in table.metadata:
+                device_name = catalog.device(table.metadata["device"]).name
+                for key in _OVERHEAD_KEYS:
+                    if key in table.metadata:
+                        overheads[key].setdefault(device_name, _metadata_number(table, key))
+                for key in table.metadata:
+                    if key.startswith(_OP_OVERHEAD_PREFIX):
+                        precision = Precision.parse(key.removeprefix(_OP_OVERHEAD_PREFIX))
+                        op_overheads.setdefault((device_name, precision),
+                                                _metadata_number(table, key))
             ops = table.frame[table.frame["phase"].isin(OP_PHASES)]
             if calibrate:
                 for name in ops["device"].unique():
@@ -134,6 +149,7 @@ class CostModel:
         return cls(MappingProxyType(rooflines), profiles=tables,
                    cast_fits=MappingProxyType(cast_fits),
                    compress_fits=MappingProxyType(compress_fits),
+                   precision_op_overhead_us=MappingProxyType(op_overheads),
                    **{key: MappingProxyType(values) for key, values in overheads.items()})
 
     def emulating(self, alias: str, device: str) -> "CostModel":
@@ -164,11 +180,14 @@ class CostModel:
             if device in values:
                 values[alias] = values[device]
             overheads[key] = MappingProxyType(values)
+        op_overheads = dict(self.precision_op_overhead_us)
+        op_overheads.update({(alias, p): us for (name, p), us in
+                             self.precision_op_overhead_us.items() if name == device})
         return dataclasses.replace(
             self, rooflines=MappingProxyType(rooflines), cast_fits=MappingProxyType(cast_fits),
             compress_fits=MappingProxyType(compress_fits),
             profiles=tuple(table.aliased(alias, device) for table in self.profiles),
-            **overheads)
+            precision_op_overhead_us=MappingProxyType(op_overheads), **overheads)
 
     def roofline_for(self, device: DeviceSpec) -> Roofline:
         """The calibrated roofline of ``device``, else the default one."""

@@ -20,7 +20,10 @@ Example::
 import multiprocessing
 import queue
 import statistics
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 from torch import nn
@@ -37,37 +40,56 @@ def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, lo
                              precisions: Sequence["Precision | str"], *, processes: int = 2,
                              threads: int = 1, repeats: int = 10, warmup: int = 2,
                              device: str = "cpu", method: str = "in_step",
-                             step_optimizer: str | None = None) -> pd.DataFrame:
+                             step_optimizer: str | None = None,
+                             ddp_steps: Sequence["Precision | str"] = (),
+                             step_repeats: int | None = None) -> pd.DataFrame:
     """:func:`~qsync_lab.profile.profile_ops` in ``processes`` processes at once; each row's
     ``time_us`` is the median over the processes (see the module docstring).
 
     ``step_optimizer``: each process then also times the whole training step with that
     optimizer (:func:`~qsync_lab.profile.overhead.time_training_step`); the median over the
-    processes is ``rows.attrs["training_step_us"]``."""
+    processes is ``rows.attrs["training_step_us"]``. With ``ddp_steps`` (precisions) the
+    processes instead form a gloo group and time the step as the ranks will take it, under
+    DDP, with a uniform plan of each of those precisions
+    (:func:`~qsync_lab.profile.overhead.time_ddp_training_steps`):
+    ``rows.attrs["ddp_step_us"]`` (precision name -> median µs over the processes) and
+    ``rows.attrs["ddp_processes"]``. Steps are the median of ``step_repeats`` (default
+    ``repeats``)."""
     if processes < 1 or threads < 1:
         raise QSyncError(f"processes and threads must be positive, got {processes}, {threads}")
+    if ddp_steps and step_optimizer is None:
+        raise QSyncError("ddp_steps needs a step_optimizer (the optimizer the ranks will run)")
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(processes), context.Queue()
-    args = (model, example_inputs, target, loss_fn, [str(Precision.parse(p)) for p in precisions],
-            threads, repeats, warmup, device, method, step_optimizer, barrier, results)
-    workers = [context.Process(target=_worker, args=(i, *args), daemon=True)
-               for i in range(processes)]
-    for worker in workers:
-        worker.start()
-    try:
-        frames = [_next_result(results, workers) for _ in workers]
-    finally:
+    steps = _StepTiming(step_optimizer, [str(Precision.parse(p)) for p in ddp_steps],
+                        step_repeats or repeats, processes)
+    with tempfile.TemporaryDirectory(prefix="qsync_profile_") as folder:
+        args = (model, example_inputs, target, loss_fn,
+                [str(Precision.parse(p)) for p in precisions], threads, repeats, warmup, device,
+                method, steps, str(Path(folder) / "ddp_store"), barrier, results)
+        workers = [context.Process(target=_worker, args=(i, *args), daemon=True)
+                   for i in range(processes)]
         for worker in workers:
-            worker.join(timeout=_POLL_S)
-            if worker.is_alive():
-                worker.kill()
+            worker.start()
+        try:
+            frames = [_next_result(results, workers) for _ in workers]
+        finally:
+            for worker in workers:
+                worker.join(timeout=_POLL_S)
+                if worker.is_alive():
+                    worker.kill()
     errors = [f for f in frames if isinstance(f, str)]
     if errors:
         raise QSyncError(f"a profiling process failed: {errors[0]}")
     frames = sorted(frames, key=lambda f: f[0])
     rows = median_over_processes([rows for _, rows, _ in frames])
-    if step_optimizer is not None:
-        rows.attrs["training_step_us"] = statistics.median(step for _, _, step in frames)
+    timed = [step for _, _, step in frames]
+    if steps.ddp_precisions:
+        rows.attrs["ddp_step_us"] = {p: statistics.median(t[p] for t in timed)
+                                     for p in steps.ddp_precisions}
+        rows.attrs["ddp_processes"] = processes
+    elif step_optimizer is not None:
+        rows.attrs["training_step_us"] = statistics.median(timed)
     return rows
 
 
@@ -102,12 +124,23 @@ def _next_result(results, workers):
                                  "to see its error") from None
 
 
+@dataclass(frozen=True)
+class _StepTiming:
+    """Which whole training steps the profiling processes time (see
+    :func:`profile_ops_concurrently`)."""
+
+    optimizer: str | None
+    ddp_precisions: list[str]
+    repeats: int
+    processes: int
+
+
 def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats, warmup,
-            device, method, step_optimizer, barrier, results) -> None:
-    """One profiling process: wait for the others, profile, send (index, rows, training
-    step µs or None) or an error."""
+            device, method, steps: _StepTiming, ddp_store: str, barrier, results) -> None:
+    """One profiling process: wait for the others, profile, send (index, rows, the timed
+    training steps: µs, precision name -> µs under DDP, or None) or an error."""
     from qsync_lab.profile.ops import profile_ops
-    from qsync_lab.profile.overhead import time_training_step
+    from qsync_lab.profile.overhead import time_ddp_training_steps, time_training_step
     from qsync_lab.profile.timing import intra_op_threads
 
     try:
@@ -116,10 +149,17 @@ def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats,
             rows = profile_ops(model, inputs, target, loss_fn, precisions, repeats=repeats,
                                warmup=warmup, device=device, method=method, progress=False)
             step_us = None
-            if step_optimizer is not None:
+            if steps.optimizer is not None:
                 barrier.wait()  # the steps are timed beside each other, as the ranks run
-                step_us = time_training_step(model, inputs, target, loss_fn, step_optimizer,
-                                             repeats=repeats, warmup=warmup)
+                if steps.ddp_precisions:
+                    step_us = time_ddp_training_steps(
+                        model, inputs, target, loss_fn, steps.optimizer, steps.ddp_precisions,
+                        store=ddp_store, rank=index, world_size=steps.processes,
+                        repeats=steps.repeats, warmup=warmup)
+                else:
+                    step_us = time_training_step(model, inputs, target, loss_fn,
+                                                 steps.optimizer, repeats=steps.repeats,
+                                                 warmup=warmup)
         results.put((index, rows, step_us))
     except Exception as err:  # reported by the parent as a QSyncError
         barrier.abort()  # a process waiting for this one at a barrier fails too, not hangs

@@ -7,12 +7,13 @@ trains, rank 0 times its ops inside training steps
 spawned processes at once as the run has ranks (sharing the cores and the memory
 bandwidth as the ranks will), per distinct batch size, while the ranks wait; the
 processes keep the ranks themselves clean of the profiling's state. Rank 0 writes the
-median rows to the cache, with the model's own step overhead: the same processes time
-its whole training step (the run's optimizer included), and what that step takes beyond
-its op rows is the profile's ``step_overhead_us``
-(:func:`~qsync_lab.profile.overhead.model_step_overhead_metadata`). A later run of the
-same model (fingerprint), batch sizes, precisions, intra-op threads, optimizer and software
-reads them back.
+median rows to the cache, with the model's own step overheads: the same processes time
+its whole training step (the run's optimizer included) under DDP among themselves, as the
+ranks will take it, in fp32 and under a uniform plan of each precision of the run, and
+the overheads are calibrated so that the simulator predicts those steps
+(:func:`~qsync_lab.profile.overhead.ddp_calibrated_metadata`). A later run of the
+same model (fingerprint), batch sizes, precisions, intra-op threads, optimizer, software
+and cache format reads them back.
 
 The cache lives in ``$QSYNC_LAB_CACHE`` (default ``~/.cache/qsync_lab``), under
 ``profiles/``.
@@ -38,15 +39,19 @@ from tqdm.auto import tqdm
 
 from qsync_lab.costs import write_profile
 from qsync_lab.errors import QSyncError
+from qsync_lab.graph import trace_graph
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.profile.concurrent import profile_ops_concurrently
-from qsync_lab.profile.overhead import measured_step_overhead_metadata
+from qsync_lab.profile.overhead import ddp_calibrated_metadata
 from qsync_lab.profile.timing import run_metadata
 
 __all__ = ["cache_dir", "profile_key", "ranks_profile_model"]
 
-#: training steps timed per precision, after WARMUP untimed ones
-REPEATS, WARMUP = 6, 2
+#: training steps timed per op row, and per whole step (the overheads are calibrated on
+#: those: more steps), after WARMUP untimed ones
+REPEATS, STEP_REPEATS, WARMUP = 6, 20, 2
+#: what a cached profile holds; a new value leaves older ones unread
+CACHE_FORMAT = "model-profile-3"
 
 
 def cache_dir() -> Path:
@@ -58,7 +63,7 @@ def profile_key(fingerprint: str, batch_sizes: Sequence[int], precisions: Sequen
                 threads: int, optimizer: str = DEFAULT_OPTIMIZER) -> str:
     """What makes a cached profile valid: the model, the ranks' batches, the precisions,
     the threads, the optimizer, the software and the machine."""
-    text = "|".join([fingerprint, ",".join(map(str, batch_sizes)),
+    text = "|".join([CACHE_FORMAT, fingerprint, ",".join(map(str, batch_sizes)),
                      ",".join(sorted(set(precisions))), str(threads), optimizer,
                      torch.__version__, platform.machine(), platform.processor(),
                      str(os.cpu_count())])
@@ -101,14 +106,18 @@ def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
         frames = [profile_ops_concurrently(model, inputs, target, loss_fn, precisions,
                                            processes=processes, threads=threads,
                                            repeats=REPEATS, warmup=WARMUP,
-                                           step_optimizer=optimizer)
+                                           step_optimizer=optimizer,
+                                           ddp_steps=sorted({"fp32", *precisions}),
+                                           step_repeats=STEP_REPEATS)
                   for inputs, target in tqdm(batches.values(), desc="profile ops",
                                              unit="batch size")]
+        inputs, target = next(iter(batches.values()))
+        overheads = ddp_calibrated_metadata(
+            frames, trace_graph(model, inputs, target=target, loss_fn=loss_fn), optimizer)
     except Exception as err:  # fx cannot trace it, or it does not pickle
         text = str(err).strip().splitlines()
         return f"{type(err).__name__}: {text[0] if text else ''}"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_profile(path, pd.concat(frames, ignore_index=True),
-                  {**run_metadata("cpu", threads=threads), **metadata,
-                   **measured_step_overhead_metadata(frames, model, optimizer)})
+                  {**run_metadata("cpu", threads=threads), **metadata, **overheads})
     return ""

@@ -18,7 +18,14 @@ the held-out line: beside its op rows, the same processes time the model's whole
 step as the run takes it (:func:`time_training_step`: the run's optimizer and non-finite
 gradient check included), and its profile's step overhead is what that step takes beyond
 its fp32 op rows and the costed optimizer step (:func:`model_step_overhead_metadata`):
-view copies, the optimizer's per-tensor loop, the framework's own work.
+view copies, the optimizer's per-tensor loop, the framework's own work. Better still, the
+processes time the step under DDP among themselves, as the ranks will take it, under a
+uniform plan of each precision the run uses (:func:`time_ddp_training_steps`), and the
+overheads are calibrated so that the simulator predicts those steps
+(:func:`ddp_calibrated_metadata`): the fp32 step sets ``step_overhead_us`` (DDP, the
+framework, ranks waiting for each other), and each low precision's step sets
+``op_overhead_us.<precision>``, the cost per op computed in it that its rows miss. A plan
+that mixes precisions is predicted between those calibrated ends.
 
 Example::
 
@@ -29,22 +36,30 @@ Example::
 
 import copy
 import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
+import pandas as pd
 import torch
 from torch import nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.hostmem import keep_freed_memory
+from qsync_lab.precision import Precision
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.timing import median_time_us
 
-__all__ = ["EVENT_OVERHEAD_KEY", "STEP_OVERHEAD_KEY", "fit_step_overhead",
-           "measured_step_overhead_metadata", "model_step_overhead_metadata",
-           "step_overhead_metadata", "time_training_step"]
+__all__ = ["EVENT_OVERHEAD_KEY", "OP_OVERHEAD_PREFIX", "STEP_OVERHEAD_KEY",
+           "ddp_calibrated_metadata", "fit_step_overhead", "measured_step_overhead_metadata",
+           "model_step_overhead_metadata", "step_overhead_metadata", "time_ddp_training_steps",
+           "time_training_step", "uniform_op_precisions"]
 
 EVENT_OVERHEAD_KEY = "event_overhead_us"
 STEP_OVERHEAD_KEY = "step_overhead_us"
+#: ``op_overhead_us.<precision>``: µs per op computed in that precision, beyond its rows
+OP_OVERHEAD_PREFIX = "op_overhead_us."
 DEFAULT_DEPTHS = (2, 4, 8, 16)
 MIN_R2 = 0.9  # a calibration line below this was disturbed: measure again
 
@@ -128,9 +143,69 @@ def time_training_step(model: nn.Module, example_inputs, target: torch.Tensor,
         True
     """
     from qsync_lab.graph.opgraph import _loss_root
-    from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
 
     root, inputs = _loss_root(copy.deepcopy(model), loss_fn, example_inputs)
+    return _median_step_us(root, inputs, target, optimizer, repeats, warmup)
+
+
+def time_ddp_training_steps(model: nn.Module, example_inputs, target: torch.Tensor,
+                            loss_fn: nn.Module, optimizer: str, precisions: Sequence[str], *,
+                            store: str, rank: int, world_size: int, repeats: int = 10,
+                            warmup: int = 3) -> dict[str, float]:
+    """:func:`time_training_step` under DDP, on a copy of ``model`` with a uniform plan of
+    each of ``precisions`` (:func:`uniform_op_precisions`): precision name -> median µs.
+    This process is ``rank`` of ``world_size`` that meet in a gloo group through the file
+    ``store`` (a path none has used) and call this at once; the group is left after."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.graph.opgraph import _loss_root
+    from qsync_lab.quant import apply_plan_
+
+    ops = trace_graph(model, example_inputs, target=target, loss_fn=loss_fn).ops
+    dist.init_process_group("gloo", init_method=Path(store).resolve().as_uri(), rank=rank,
+                            world_size=world_size)
+    try:
+        steps = {}
+        for precision in precisions:
+            copied = copy.deepcopy(model)
+            apply_plan_(copied, uniform_op_precisions(ops, precision))
+            root, inputs = _loss_root(copied, loss_fn, example_inputs)
+            steps[str(precision)] = _median_step_us(DistributedDataParallel(root), inputs,
+                                                    target, optimizer, repeats, warmup)
+        return steps
+    finally:
+        dist.destroy_process_group()
+
+
+def uniform_op_precisions(ops: pd.DataFrame, precision: "Precision | str") -> dict[str, str]:
+    """Every op of a traced graph's ``ops`` table that a plan may set to ``precision``:
+    op FQN -> precision name (empty for fp32).
+
+    Example::
+
+        >>> from qsync_lab.graph import trace_graph
+        >>> graph = trace_graph(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+        ...                     (torch.randn(4, 8),))
+        >>> uniform_op_precisions(graph.ops, "int8")
+        {'0': 'int8'}
+    """
+    from qsync_lab.policy import PLANNABLE_KINDS, kind_allows
+
+    precision = Precision.parse(precision)
+    if precision is Precision.FP32:
+        return {}
+    return {name: str(precision) for name, kind, refusal in
+            zip(ops.index, ops["kind"], ops["plan_refusal"])
+            if kind in PLANNABLE_KINDS and not refusal and kind_allows(kind, precision)}
+
+
+def _median_step_us(root: nn.Module, inputs: tuple, target: torch.Tensor, optimizer: str,
+                    repeats: int, warmup: int) -> float:
+    """Median µs of ``root``'s training step (``root(*inputs, target)`` is the loss)."""
+    from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
+
     opt = make_optimizer(optimizer, root.parameters(), lr=1e-6)
 
     def step():
@@ -176,3 +251,67 @@ def measured_step_overhead_metadata(frames, model: nn.Module, optimizer: str) ->
                for frame in frames]
     return model_step_overhead_metadata(statistics.fmean(steps_us), statistics.fmean(rows_us),
                                         optimizer_us)
+
+
+def ddp_calibrated_metadata(frames, graph, optimizer: str) -> dict[str, str]:
+    """The step overheads of a model's own profile ``frames`` (one per batch size, each with
+    ``attrs["ddp_step_us"]``, precision name -> measured DDP step under a uniform plan, and
+    ``attrs["ddp_processes"]``), means over them. Each frame's steps are simulated on as
+    many local cpu ranks (loopback link), costed with its rows and the shipped profile's
+    fits: ``step_overhead_us`` is the fp32 step minus its simulation without one;
+    ``op_overhead_us.<p>`` the uniform-p step minus its simulation (with that step
+    overhead), per forward event the simulation computes in p from a measured row."""
+    calibrated = [_calibrate(frame, graph, optimizer) for frame in frames]
+    step_us = statistics.fmean(c[STEP_OVERHEAD_KEY] for c in calibrated)
+    first = frames[0].attrs
+    metadata = {STEP_OVERHEAD_KEY: f"{step_us:.3f}; fp32 DDP step {first['ddp_step_us']['fp32']:.1f}"
+                                   f" us on {first['ddp_processes']} processes - its simulation",
+                EVENT_OVERHEAD_KEY: "0.000; held in step_overhead_us (measured on this model)"}
+    for key in calibrated[0]:
+        if key.startswith(OP_OVERHEAD_PREFIX):
+            name = key.removeprefix(OP_OVERHEAD_PREFIX)
+            metadata[key] = (f"{statistics.fmean(c[key] for c in calibrated):.3f}; uniform "
+                             f"{name} DDP step {first['ddp_step_us'][name]:.1f} us - its "
+                             "simulation, per op in it")
+    return metadata
+
+
+def _calibrate(frame: pd.DataFrame, graph, optimizer: str) -> dict[str, float]:
+    """:func:`ddp_calibrated_metadata` of one frame: metadata key -> µs."""
+    from qsync_lab.cluster import cluster_from_definition
+    from qsync_lab.plan import Plan
+
+    steps_us = frame.attrs["ddp_step_us"]
+    cluster = cluster_from_definition({
+        "name": "profiling-processes", "batch_size": int(frame["batch_size"].iloc[0]),
+        "node": [{"name": "localhost", "intra_node_link": "loopback",
+                  "devices": [{"kind": "cpu", "count": int(frame.attrs["ddp_processes"])}]}]})
+    fp32 = _simulate(frame, graph, Plan.build(graph, cluster, {}), optimizer, 0.0)
+    calibrated = {STEP_OVERHEAD_KEY: steps_us["fp32"] - fp32.iteration_us}
+    for name, step_us in steps_us.items():
+        if name == "fp32":
+            continue
+        plan = Plan.build(graph, cluster, {"cpu": uniform_op_precisions(graph.ops, name)})
+        sim = _simulate(frame, graph, plan, optimizer, calibrated[STEP_OVERHEAD_KEY])
+        compute = sim.compute[0]
+        events = sum(category == "op" and phase == "forward" and precision == name
+                     and source.startswith("profile:") for category, phase, precision, source
+                     in zip(compute.category, compute.phase, compute.precision, compute.source))
+        if events:
+            calibrated[f"{OP_OVERHEAD_PREFIX}{name}"] = (step_us - sim.iteration_us) / events
+    return calibrated
+
+
+def _simulate(frame: pd.DataFrame, graph, plan, optimizer: str, step_overhead_us: float):
+    """The simulated step of ``plan`` costed with ``frame``'s rows (cpu), the shipped
+    profile's fits and ``step_overhead_us``."""
+    from qsync_lab.costs import load_cost_model, write_profile
+    from qsync_lab.resources import data_file
+    from qsync_lab.simulate import simulate
+
+    with tempfile.TemporaryDirectory(prefix="qsync_calibrate_") as folder:
+        rows = Path(folder) / "rows.csv"
+        write_profile(rows, frame, {"device": "cpu", STEP_OVERHEAD_KEY: str(step_overhead_us),
+                                    EVENT_OVERHEAD_KEY: "0"})
+        costs = load_cost_model(rows, data_file("profiles", "cpu.csv"))
+    return simulate(graph, plan, plan.cluster, costs, optimizer=optimizer)

@@ -23,7 +23,8 @@ event for it. A runtime op casts its own operands, so a time measured by the pro
 are not added again (unless ``CostModel.casts_in_measured_ops`` is False). When the
 rank's op times are measured, the fitted framework costs apply: a ``framework`` event of
 ``CostModel.step_overhead_us`` opens the iteration, and each measured op event gets
-``CostModel.event_overhead_us``.
+``CostModel.event_overhead_us`` (a measured forward computed in a low precision also
+``CostModel.precision_op_overhead_us``).
 
 Example::
 
@@ -209,8 +210,10 @@ class TimelineBuilder:
                                                plan_precisions=[plan] * n)
             _, nbytes = phase_work(work, [precision] * n, phase, batch_size=self.batch_size)
             measured = np.array([s.startswith("profile:") for s in sources], bool)
-            times = np.where(measured & (times > 0), np.maximum(
-                times + costs.event_overhead_us.get(self.device.name, 0.0), 0.0), times)
+            overhead = costs.event_overhead_us.get(self.device.name, 0.0)
+            if phase == "forward":
+                overhead += costs.precision_op_overhead_us.get((self.device.name, precision), 0.0)
+            times = np.where(measured & (times > 0), np.maximum(times + overhead, 0.0), times)
             self._phases[key] = (times, sources, nbytes, measured & costs.casts_in_measured_ops)
         return self._phases[key]
 

@@ -12,6 +12,7 @@ from qsync_lab import optimizers
 from qsync_lab.costs import CostModel, write_profile
 from qsync_lab.errors import QSyncError
 from qsync_lab.devices import load_catalog
+from qsync_lab.precision import Precision
 from qsync_lab.profile.concurrent import profile_ops_concurrently
 from qsync_lab.profile.model_cache import profile_key
 from qsync_lab.profile.overhead import (measured_step_overhead_metadata,
@@ -82,6 +83,85 @@ def test_the_cached_profile_carries_the_measured_step_overhead(tmp_path):
     assert residual == pytest.approx(2000.0 - 800.0 - optimizer_us, abs=1e-3)
 
 
+def test_the_ddp_steps_are_timed_under_each_uniform_plan(monkeypatch, tmp_path):
+    from qsync_lab import quant
+    from qsync_lab.profile.overhead import time_ddp_training_steps
+
+    applied = []
+    real = quant.apply_plan_
+    monkeypatch.setattr(quant, "apply_plan_", lambda model, plan, **kw: applied.append(plan)
+                        or real(model, plan, **kw))
+    inputs, target = _batch()
+    steps = time_ddp_training_steps(_mlp(), inputs, target, nn.CrossEntropyLoss(), "sgd",
+                                    ["fp32", "int8"], store=str(tmp_path / "store"), rank=0,
+                                    world_size=1, repeats=2, warmup=0)
+    assert list(steps) == ["fp32", "int8"] and min(steps.values()) > 0
+    assert applied == [{}, {"0": "int8", "2": "int8"}]
+
+
+def test_calibrated_overheads_make_the_simulator_predict_the_measured_ddp_steps(tmp_path):
+    from qsync_lab.cluster import cluster_from_definition
+    from qsync_lab.costs import load_cost_model
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+    from qsync_lab.profile import profile_ops
+    from qsync_lab.profile.overhead import ddp_calibrated_metadata
+    from qsync_lab.simulate import simulate
+
+    model, (inputs, target), loss_fn = _mlp(), _batch(), nn.CrossEntropyLoss()
+    graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+    rows = profile_ops(model, inputs, target, loss_fn, ["fp32", "bf16"], repeats=2, warmup=0,
+                       progress=False)
+    measured = {"fp32": 40_000.0, "bf16": 70_000.0}
+    rows.attrs.update(ddp_step_us=measured, ddp_processes=3)
+    metadata = ddp_calibrated_metadata([rows], graph, "sgd")
+    assert "fp32 DDP step 40000.0 us on 3 processes" in metadata["step_overhead_us"]
+    write_profile(tmp_path / "model.csv", rows, {"device": "cpu", **metadata})
+    costs = load_cost_model(tmp_path / "model.csv", data_file("profiles", "cpu.csv"))
+    assert costs.precision_op_overhead_us[("cpu", Precision.BF16)] > 0
+    cluster = cluster_from_definition({"name": "three", "batch_size": 4, "node": [
+        {"name": "n", "intra_node_link": "loopback", "devices": [{"kind": "cpu", "count": 3}]}]})
+    for name, plan in {"fp32": {}, "bf16": {"0": "bf16", "2": "bf16"}}.items():
+        sim = simulate(graph, Plan.build(graph, cluster, {"cpu": plan}), cluster, costs,
+                       optimizer="sgd")
+        assert sim.iteration_us == pytest.approx(measured[name]), name
+    half = simulate(graph, Plan.build(graph, cluster, {"cpu": {"2": "bf16"}}), cluster, costs,
+                    optimizer="sgd")
+    assert measured["fp32"] < half.iteration_us < measured["bf16"]  # a mix lies between
+
+
+def test_each_low_precision_op_costs_the_profiles_op_overhead(tmp_path):
+    from qsync_lab.allocate.baselines import with_batch_sizes
+    from qsync_lab.cluster import load_cluster
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+    from qsync_lab.profile import profile_ops
+    from qsync_lab.runtime.prediction import predict_plan
+
+    model, (inputs, target), loss_fn = _mlp(), _batch(), nn.CrossEntropyLoss()
+    graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+    cluster = with_batch_sizes(load_cluster("local-cpu"), [4, 4])
+    rows = profile_ops(model, inputs, target, loss_fn, ["fp32", "bf16"], repeats=2, warmup=0,
+                       progress=False).assign(batch_size=4)
+    plans = {name: Plan.build(graph, cluster, {"cpu": dict.fromkeys(["0", "2"], name)}
+                              if name != "fp32" else {}) for name in ("fp32", "bf16")}
+    steps = {}
+    for overhead in (0.0, 500.0):
+        path = tmp_path / f"model{overhead:.0f}.csv"
+        write_profile(path, rows, {"device": "cpu", "op_overhead_us.bf16": f"{overhead}; test"})
+        costs = CostModel.from_profiles(path, data_file("profiles", "cpu.csv"))
+        assert costs.precision_op_overhead_us[("cpu", Precision.BF16)] == overhead
+        results = {name: predict_plan(plan, graph, costs) for name, plan in plans.items()}
+        steps[overhead] = {name: result.iteration_us for name, result in results.items()}
+    events = results["bf16"].compute[0]
+    bf16_forwards = sum(c == "op" and ph == "forward" and p == "bf16" and s.startswith("profile:")
+                        for c, ph, p, s in zip(events.category, events.phase, events.precision,
+                                               events.source))
+    assert bf16_forwards >= 2  # the two planned linears (and the ops that follow them)
+    assert steps[500.0]["bf16"] - steps[0.0]["bf16"] == pytest.approx(500.0 * bf16_forwards)
+    assert steps[500.0]["fp32"] == pytest.approx(steps[0.0]["fp32"])
+
+
 def test_the_cache_key_holds_the_optimizer():
     keys = {profile_key("f00d", [16, 16], ["fp32"], threads=1, optimizer=name)
             for name in ("sgd", "sgd_momentum", "adamw")}
@@ -96,6 +176,11 @@ def test_concurrent_profiling_times_the_training_step_in_every_process():
     plain = profile_ops_concurrently(_mlp(), inputs, target, nn.CrossEntropyLoss(), ["fp32"],
                                      processes=1, repeats=2, warmup=0)
     assert "training_step_us" not in plain.attrs
+    ddp = profile_ops_concurrently(_mlp(), inputs, target, nn.CrossEntropyLoss(),
+                                   ["fp32", "bf16"], processes=2, repeats=2, warmup=0,
+                                   step_optimizer="sgd", ddp_steps=["fp32", "bf16"])
+    assert set(ddp.attrs["ddp_step_us"]) == {"fp32", "bf16"} and ddp.attrs["ddp_processes"] == 2
+    assert min(ddp.attrs["ddp_step_us"].values()) > 0 and "training_step_us" not in ddp.attrs
 
 
 class _FailsInAllButOneProcess(nn.Module):
