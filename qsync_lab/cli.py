@@ -403,12 +403,12 @@ def _cmd_run(args) -> None:
     summary = launch(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                      threads=args.threads, verbose=args.verbose)
-    if summary is None:
-        print(f"this node's ranks finished; rank 0's node writes {config.run_dir}/summary.json")
-        return
-    from qsync_lab.runtime.metrics import summary_line
+    if summary is not None:
+        from qsync_lab.runtime.metrics import summary_line
 
-    print(f"{summary_line(summary)}; wrote {config.run_dir}/summary.json")
+        print(f"{summary_line(summary)}; wrote {config.run_dir}/summary.json")
+    elif args.nnodes > 1:  # on one node, no summary: the run was complete (a note said so)
+        print("this node's ranks finished; rank 0's node has the run's result")
 
 
 def _cmd_demo(args) -> None:

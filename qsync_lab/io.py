@@ -2,8 +2,9 @@
 
 A result is either fully written or not there at all (:func:`atomic_write_text`,
 :func:`atomic_write_bytes`); a log that grows while a run goes on is opened with
-:func:`open_log`. None of them writes through a symlink at the path: that would put the
-output wherever the link points, outside the folder the user chose.
+:func:`open_log`. None of them writes through a symlink at the path, nor (given the folder
+the user chose, ``within``) through a symlinked folder inside it: that would put the output
+wherever the link points, outside the folder the user chose (:func:`check_no_symlink`).
 
 Example::
 
@@ -28,24 +29,28 @@ from typing import TextIO
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "open_log"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_no_symlink", "open_log"]
 
 
-def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: "str | os.PathLike[str]", text: str, *,
+                      within: "str | os.PathLike[str] | None" = None) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename
+    (``within``: as :func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode("utf-8"), within=within)
 
 
-def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> None:
+def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes, *,
+                       within: "str | os.PathLike[str] | None" = None) -> None:
     """Write ``data`` to ``path`` atomically (temp file + fsync + ``os.replace``), with the
-    mode a plain ``open`` would give it (the umask's).
+    mode a plain ``open`` would give it (the umask's); ``within``: the folder the user
+    chose, in which no folder on the way to ``path`` may be a symlink.
 
     Raises:
-        QSyncError: ``path`` is a symlink (the rename would replace it silently).
+        QSyncError: ``path`` is a symlink (the rename would replace it silently), or a
+            folder between ``within`` and it is.
     """
     target = Path(path)
-    if target.is_symlink():
-        raise _symlink_error(target)
+    check_no_symlink(target, within=within)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
@@ -74,6 +79,20 @@ def open_log(path: "str | os.PathLike[str]") -> TextIO:
             raise _symlink_error(Path(path)) from None
         raise
     return os.fdopen(fd, "w", encoding="utf-8")
+
+
+def check_no_symlink(path: "str | os.PathLike[str]", *,
+                     within: "str | os.PathLike[str] | None" = None) -> None:
+    """Raise if ``path``, or a folder between ``within`` and it, is a symlink.
+
+    Raises:
+        QSyncError: the symlink, in one line.
+    """
+    path = Path(path)
+    depth = 0 if within is None else len(path.relative_to(within).parts) - 1
+    for part in (path, *list(path.parents)[:depth]):
+        if part.is_symlink():
+            raise _symlink_error(part)
 
 
 def _symlink_error(path: Path) -> QSyncError:

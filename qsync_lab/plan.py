@@ -10,8 +10,11 @@ practice), atomically, and checked in full on load: every field's type and bound
 sizes in 1..2**20, rank ids 0..world-1 in order, device kinds from the catalog, precisions
 from the policy, compression from the registry, a model name that is never a path), the
 file's size, depth and numbers (:mod:`qsync_lab.limits`), then against the model and the
-cluster. Every command and function that takes a plan takes this file; version-1 files are
-migrated on load (:class:`PlanMigrationWarning` says what was filled in).
+cluster. The checks are hand-written, not a pydantic or msgspec schema: neither is a
+dependency or installed (pydantic would also slow every command's start), and most checks
+look names up in the catalog, policy, registry and zoo, which a schema leaves to custom
+validators anyway. Every command and function that takes a plan takes this file; version-1
+files are migrated on load (:class:`PlanMigrationWarning` says what was filled in).
 
 Example::
 

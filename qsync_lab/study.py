@@ -242,9 +242,10 @@ class Study:
         return predict_plan(plan, self.graph, costs)
 
     def run(self, plan: Plan, *, steps: int = 100, run_dir: "str | os.PathLike[str]" = "qsync_run",
-            verbose: bool = False, **options) -> dict[str, Any]:
+            verbose: bool = False, **options) -> dict[str, Any] | None:
         """Train ``plan`` on the local ranks of its cluster (torchrun, gloo on the CPU) and
-        return the summary: measured against predicted step time and memory.
+        return the summary: measured against predicted step time and memory (None when
+        ``resume=True`` finds the run already complete: nothing was trained).
 
         ``options`` are :class:`~qsync_lab.runtime.options.TrainConfig` fields (``lr``,
         ``optimizer``, ``data``, ...); the prediction uses the study's profiles. The plan is

@@ -102,8 +102,9 @@ def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
 
     plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
                       task="synthetic")
-    code, out, _ = run(capsys, "run", "--plan", str(plan), "--steps", "3", "--data", "synthetic",
-                       "--run-dir", str(tmp_path / "run"), "--threads", "1")
+    argv = ["run", "--plan", str(plan), "--steps", "3", "--data", "synthetic", "--run-dir",
+            str(tmp_path / "run"), "--threads", "1", "--checkpoint-every", "3"]
+    code, out, _ = run(capsys, *argv)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert code == 0 and summary["steps"] == 3
     # quiet: one line of results; torchrun's banner and the ranks' output are in the log
@@ -113,6 +114,13 @@ def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
     assert "OMP_NUM_THREADS" in log and "test accuracy" in log
     # fewer steps than the default warm-up: at least one step is timed, and the summary says so
     assert (summary["warmup_steps"], summary["timed_steps"]) == (2, 1)
+    # resumed once complete (its summary lost): the ranks' note on the terminal, nothing else
+    (tmp_path / "run" / "summary.json").unlink()
+    code, out, err = run(capsys, *argv, "--resume")
+    assert (code, out) == (0, "")
+    notes = [line for line in err.splitlines() if "qsync_lab" in line]  # after the bar
+    assert len(notes) == 1 and notes[0].startswith(
+        "qsync_lab: run already complete at step 3; nothing to do (its summary.json is missing")
 
 
 def test_run_without_a_readable_plan_is_one_line(capsys):
@@ -140,6 +148,7 @@ def mlp_plan(tmp_path_factory):
     (["--model", "resnet5"], "unknown model 'resnet5'"),
     (["--data", "imagenet"], "unknown --data 'imagenet'"),
     (["--nproc-per-node", "3"], "the plan is for 2 ranks"),
+    (["--allow-change", "steps,seed"], "a change of 'seed' makes another run"),
 ])
 def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, extra, message):
     """One line on stderr, exit 2, in a fresh process, before torchrun starts (no log)."""
@@ -153,7 +162,8 @@ def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, e
     assert done.stderr.startswith("qsync-lab: error: ") and message in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert not run_dir.exists()
-    if extra[0] in ("--steps", "--optimizer", "--lr", "--model-kwargs", "--nproc-per-node"):
+    if extra[0] in ("--steps", "--optimizer", "--lr", "--model-kwargs", "--nproc-per-node",
+                    "--allow-change"):
         assert seconds < 2.0, seconds  # checked before torch is imported
 
 

@@ -185,6 +185,21 @@ def test_no_output_is_written_through_a_symlink(tmp_path, document):
     assert victim.read_text() == "precious" and link.is_symlink()
 
 
+def test_no_output_is_written_into_a_symlinked_folder_inside_the_chosen_one(tmp_path):
+    """``run/ranks -> elsewhere``: a file written to run/ranks/ would land elsewhere; the
+    chosen folder itself may be a symlink."""
+    outside, run = tmp_path / "outside", tmp_path / "run"
+    outside.mkdir()
+    run.mkdir()
+    (run / "ranks").symlink_to(outside)
+    _one_line(lambda: atomic_write_text(run / "ranks" / "rank0.json", "{}", within=run),
+              f"refusing to write through the symlink {run / 'ranks'}; remove it")
+    assert not any(outside.iterdir())
+    (tmp_path / "chosen").symlink_to(run)
+    atomic_write_text(tmp_path / "chosen" / "summary.json", "{}", within=tmp_path / "chosen")
+    assert (run / "summary.json").read_text() == "{}"
+
+
 def _v1_document(document, source):
     data = document["_data"]
     return {"_type": PLAN_TYPE, "_version": 1, "_data": {
@@ -231,3 +246,33 @@ def test_run_refuses_a_bad_plan_before_starting_torchrun(document, tmp_path, cap
     assert code == 2 and err.startswith("qsync-lab: error: plan ") and err.count("\n") == 1
     assert match in err
     assert not (tmp_path / "run").exists()
+
+
+def test_run_refuses_a_bad_profile_before_starting_torchrun(plan_file, tmp_path, capsys,
+                                                            no_torchrun):
+    """The prediction reads it at the end of the run: it used to fail after training."""
+    profile = tmp_path / "bad.csv"
+    profile.write_text("device,op,kind,shape_key,precision,phase,batch_size,numel,flops,bytes,"
+                       "time_us,repeats\ncpu,fc,linear,,fp32,forward,32,0,1,1,inf,20\n")
+    code = main(["run", "--plan", str(plan_file), "--run-dir", str(tmp_path / "run"),
+                 "--profile", str(profile)])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1
+    assert "bad.csv row 0: time_us must be a number >= 0 and finite, got 'inf'" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("output", ["summary.json", "final.safetensors", "metrics.jsonl",
+                                    "launch.log", "ranks", "ranks/rank1.json",
+                                    "checkpoint-00000020.safetensors"])
+def test_run_refuses_a_symlinked_output_before_starting_torchrun(plan_file, tmp_path, capsys,
+                                                                 output, no_torchrun):
+    run, victim = tmp_path / "run", tmp_path / "victim"
+    victim.mkdir()
+    (run / output).parent.mkdir(parents=True)
+    (run / output).symlink_to(victim)
+    code = main(["run", "--plan", str(plan_file), "--run-dir", str(run)])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1
+    assert f"refusing to write through the symlink {run / output}; remove it" in err
+    assert not any(victim.iterdir())

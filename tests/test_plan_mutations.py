@@ -1,6 +1,13 @@
 """Property: a plan or cluster with any one field mutated is rejected in one line, or it
-checks out against the model and simulates (issue #23: "each file is either rejected in
-one line or simulates and runs")."""
+checks out against the model and simulates, and then passes ``qsync-lab run``'s checks
+before launch (:func:`~qsync_lab.runtime.launch.check_run`: the zoo model built from the
+plan's name and kwargs and traced) or is refused there in one line (issue #23: "each file
+is either rejected in one line or simulates and runs").
+
+Accepted plans are not trained here: they are plans for the two ranks of ``local-hybrid``
+(rank ids, per-rank batches and the T4's precisions are what the mutator varies), the
+runtime's in-process path (``tests/runtime/test_trainer_local.py``) has one rank, and a
+torchrun launch per plan would take seconds each."""
 
 import copy
 import json
@@ -13,6 +20,8 @@ from hypothesis import strategies as st
 from qsync_lab.cluster import cluster_from_definition, load_cluster
 from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
+from qsync_lab.runtime.launch import check_run
+from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.simulate import simulate
 
 MUTATION_SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
@@ -31,18 +40,27 @@ HOSTILE = st.one_of(
     st.dictionaries(st.text(max_size=4), st.integers(-3, 3), max_size=2),
 )
 MUTATIONS = ("replace", "delete", "add_key", "nest", "nest_deep")
+MLP_KWARGS = {"in_features": 8, "hidden": 16, "num_classes": 4}
 
 
 @pytest.fixture(scope="module")
-def plan_document(graph):
+def mlp_graph():
+    """The zoo's digits_mlp(**MLP_KWARGS), traced as ``qsync-lab run`` traces it."""
+    from qsync_lab.runtime.launch import _model_graph
+
+    return _model_graph("digits_mlp", MLP_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def plan_document(mlp_graph):
     """A valid plan document touching every field (sha256 left out, so that mutations of
     the cluster definition reach its checks instead of failing the hash)."""
-    plan = Plan.build(graph, load_cluster("local-hybrid"),
-                      {"T4": {"0": "int8", "2": {"forward": "fp16", "backward": "fp32"}}},
+    plan = Plan.build(mlp_graph, load_cluster("local-hybrid"),
+                      {"T4": {"fc1": "int8", "fc3": {"forward": "fp16", "backward": "fp32"}}},
                       strategy="test", optimizer="adamw",
-                      compression={"0.weight": "cgx:4", "re:.*bias": None,
+                      compression={"fc1.weight": "cgx:4", "re:.*bias": None,
                                    "_default": "global_qsgd:8"})
-    document = plan.for_model("digits_mlp", {"in_features": 8}).to_dict()
+    document = plan.for_model("digits_mlp", MLP_KWARGS).to_dict()
     del document["_data"]["cluster"]["sha256"]
     return document
 
@@ -105,10 +123,11 @@ def _one_line(err: QSyncError) -> str:
 
 @MUTATION_SETTINGS
 @given(data=st.data())
-def test_a_mutated_plan_is_rejected_in_one_line_or_simulates(data, plan_document, graph,
+def test_a_mutated_plan_is_rejected_in_one_line_or_simulates(data, plan_document, mlp_graph,
                                                              tmp_path_factory):
     path, mutation, value, key = data.draw(_mutation(plan_document))
     document = _mutated(plan_document, path, mutation, value, key)
+    graph = mlp_graph
     try:
         plan = Plan.from_dict(document, origin="plan")
         plan.validate(graph, plan.cluster)
@@ -130,6 +149,15 @@ def test_a_mutated_plan_is_rejected_in_one_line_or_simulates(data, plan_document
         assert [r.rank for r in plan.ranks] == list(range(plan.world_size))
         sim = simulate(graph, plan)
         assert sim.iteration_us > 0 and math.isfinite(sim.iteration_us)
+        _checked_before_launch(file)
+
+
+def _checked_before_launch(file) -> None:
+    """``qsync-lab run``'s checks pass, or refuse the file in one line."""
+    try:
+        check_run(TrainConfig(plan=str(file), run_dir=str(file.parent / "run")))
+    except QSyncError as err:
+        _one_line(err)
 
 
 @MUTATION_SETTINGS
@@ -152,9 +180,14 @@ def test_a_mutated_cluster_is_rejected_in_one_line_or_simulates(data, cluster_de
     assert sim.iteration_us > 0 and math.isfinite(sim.iteration_us)
 
 
-def test_the_unmutated_documents_are_accepted(plan_document, cluster_definition, graph):
-    """The property above is not vacuous: the documents it mutates are valid."""
+def test_the_unmutated_documents_are_accepted(plan_document, cluster_definition, mlp_graph,
+                                              tmp_path):
+    """The properties above are not vacuous: the documents they mutate are valid, and the
+    plan passes the checks before launch."""
     plan = Plan.from_dict(plan_document)
-    plan.validate(graph, plan.cluster)
+    plan.validate(mlp_graph, plan.cluster)
     assert plan.model_name == "digits_mlp" and plan.world_size == 2
+    (tmp_path / "plan.json").write_text(json.dumps(plan_document))
+    assert check_run(TrainConfig(plan=str(tmp_path / "plan.json"),
+                                 run_dir=str(tmp_path / "run"))) == plan
     assert cluster_from_definition(cluster_definition).world_size == 3

@@ -37,6 +37,7 @@ import torch
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_bytes
+from qsync_lab.runtime.outputs import CHECKPOINT_GLOB
 
 __all__ = ["Checkpoint", "capture_rng_state", "checkpoint_path", "latest_valid_checkpoint",
            "load_checkpoint", "prune_checkpoints", "remove_partial_writes", "restore_rng_state",
@@ -86,12 +87,15 @@ def load_checkpoint(path: "str | os.PathLike[str]") -> Checkpoint:
     """Read and verify a checkpoint written by :func:`save_checkpoint`.
 
     Raises:
-        QSyncError: the file is missing, is not a qsync_lab checkpoint (a pickle among
-            others: it is never unpickled) or fails its sha256 check; one line.
+        QSyncError: the file is missing, is not a regular file (a FIFO would block the
+            read), is not a qsync_lab checkpoint (a pickle among others: it is never
+            unpickled), fails its sha256 check or has no step in its manifest; one line.
     """
     from safetensors import safe_open
 
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise QSyncError(f"{path} is not a regular file; {_FRESH_START}")
     try:
         with safe_open(path, framework="pt") as handle:  # JSON header and raw bytes only
             metadata = handle.metadata() or {}
@@ -109,6 +113,10 @@ def load_checkpoint(path: "str | os.PathLike[str]") -> Checkpoint:
                          f"qsync_lab reads {CHECKPOINT_FORMAT}; {_FRESH_START}")
     if _digest(_json(manifest), state_json, tensors) != recorded:
         raise QSyncError(f"{path} fails its sha256 check: the file is damaged")
+    step, settings = manifest.get("step"), manifest.get("settings", {})
+    if type(step) is not int or step < 0 or not isinstance(settings, dict):
+        raise QSyncError(f"{path} has no step or no settings table in its manifest; "
+                         f"{_FRESH_START}")
     return Checkpoint(path, {**manifest, "sha256": recorded}, state)
 
 
@@ -135,7 +143,7 @@ def latest_valid_checkpoint(run_dir: "str | os.PathLike[str]",
             failures.append(str(err))
             continue
         for failure in failures:
-            warn(f"qsync_lab: {failure}; resuming from {path.name}")
+            warn(f"{failure}; resuming from {path.name}")
         return checkpoint
     if failures:
         raise QSyncError(f"no valid checkpoint in {run_dir} ({len(failures)} tried, the "
@@ -160,17 +168,19 @@ def remove_partial_writes(run_dir: "str | os.PathLike[str]") -> None:
         partial.unlink(missing_ok=True)
 
 
-def settings_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``"name saved -> current"`` for each setting that differs (compared as JSON).
+def settings_differences(saved: Mapping[str, Any],
+                         current: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: "saved -> current"}`` for each setting of ``current`` that differs from
+    ``saved`` (compared as JSON; a setting ``saved`` lacks is ``null``).
 
     Example::
 
         >>> settings_differences({"seed": 0, "lr": 0.05}, {"seed": 1, "lr": 0.05})
-        ['seed 0 -> 1']
+        {'seed': '0 -> 1'}
     """
     current = json.loads(json.dumps(current, allow_nan=False))  # tuples as lists, in order
-    return [f"{name} {_shown(saved.get(name))} -> {_shown(value)}"
-            for name, value in current.items() if saved.get(name) != value]
+    return {name: f"{_shown(saved.get(name))} -> {_shown(value)}"
+            for name, value in current.items() if saved.get(name) != value}
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -194,9 +204,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the run folder's checkpoints, newest first."""
-    found = ((_NAME.fullmatch(path.name), path) for path in run_dir.glob("checkpoint-*"))
-    return sorted(((int(match[1]), path) for match, path in found if match), reverse=True)
+    """(step, path) of the run folder's checkpoints, newest first; anything else named
+    like one (a FIFO, a folder) is left alone."""
+    found = ((_NAME.fullmatch(path.name), path) for path in run_dir.glob(CHECKPOINT_GLOB))
+    return sorted(((int(match[1]), path) for match, path in found
+                   if match and path.is_file()), reverse=True)
 
 
 def _plain(value: Any, key: str, tensors: "_Tensors") -> Any:

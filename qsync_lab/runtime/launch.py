@@ -1,14 +1,16 @@
 """Start a plan's training run: checks first, then torchrun, quietly, with a progress bar.
 
-:func:`check_run` refuses a bad run before any process starts (the plan's schema and
-cluster, the model and its fingerprint, the options, the rank count), each in one line.
+:func:`check_run` refuses a bad run before any process starts (a run directory another
+run holds or with a symlinked output, the plan's schema and cluster, the model and its
+fingerprint, the options, the profiles, the rank count), each in one line.
 :func:`start` then locks the run directory (one run per directory,
 :mod:`~qsync_lab.runtime.lock`) and starts ``python -m torch.distributed.run … -m
 qsync_lab.runtime …`` (:func:`torchrun_command`) in a session of its own, the launcher's
 and the ranks' output in ``<run_dir>/launch.log``; :func:`stop_run` stops it and every
 rank. :func:`launch` starts a run and waits for it, a progress bar following
-``metrics.jsonl``; a failed run is one line (the ranks' error, :func:`rank_error`) naming
-the log. ``verbose=True`` shows the output instead.
+``metrics.jsonl``, and shows the ranks' notes (``qsync_lab: …`` lines: a damaged checkpoint
+skipped, a run already complete); a failed run is one line (the ranks' error,
+:func:`rank_error`) naming the log. ``verbose=True`` shows the output instead.
 
 Example::
 
@@ -34,8 +36,10 @@ from typing import TYPE_CHECKING, Any
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import open_log
 from qsync_lab.plan import Plan
-from qsync_lab.runtime.lock import LOCK_ENV, LOCK_HELD, acquire_run_lock, forget_ended_holder
+from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check_run_dir_free,
+                                    forget_ended_holder)
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
+from qsync_lab.runtime.outputs import LOG_NAME, METRICS, SUMMARY, check_outputs
 from qsync_lab.tomlfile import show
 
 if TYPE_CHECKING:
@@ -43,9 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["check_run", "launch", "rank_error", "start", "stop_run", "torchrun_command"]
 
-LOG_NAME = "launch.log"
 STOP_GRACE_S = 20.0  # torchrun's own wait for its workers is 30 s
 _POLL_S = 0.2
+_NOTE = "qsync_lab: "  # how the ranks mark a note for the user (trainer's _Run._note)
 
 
 def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
@@ -74,14 +78,18 @@ def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
 
 def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
               nnodes: int = 1) -> Plan:
-    """The run's plan, after every check that needs no process: the plan file in full
-    (:meth:`Plan.load`), the rank count, the data, and the model: built from the zoo and
+    """The run's plan, after every check that needs no process: the run directory (no
+    other run holds it, no output in it is a symlink), the plan file in full
+    (:meth:`Plan.load`), the rank count, the data, the model: built from the zoo and
     traced here, the plan must be for it (its fingerprint, op FQNs and compressed
-    parameters).
+    parameters), and the ``--profile`` files.
 
     Raises:
         QSyncError: the first problem, in one line.
     """
+    if Path(config.run_dir).exists():  # first, at once: a second launch builds no model
+        check_run_dir_free(config.run_dir)
+        check_outputs(config.run_dir)
     plan = Plan.load(config.plan)
     ranks = (nproc_per_node or plan.world_size // nnodes) * nnodes
     if ranks != plan.world_size:
@@ -105,6 +113,10 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
         plan.validate(graph)
     except QSyncError as err:
         raise QSyncError(f"plan {config.plan}: {err}") from None
+    if config.profiles:  # read by the prediction at the end of the run: check them now
+        from qsync_lab.costs import load_cost_model
+
+        load_cost_model(*config.profiles)
     return plan
 
 
@@ -195,27 +207,51 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
            rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
            verbose: bool = False, progress: bool = True,
            env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """Start the run (:func:`start`), wait for it and return rank 0's summary (None on a
-    node that does not hold rank 0); an interrupt (Ctrl-C) stops it (:func:`stop_run`).
+    """Start the run (:func:`start`), wait for it, show the ranks' notes on stderr and
+    return the summary this run wrote (None when it wrote none: the run was already
+    complete, as a note said, or rank 0 runs on another node); an interrupt (Ctrl-C) stops
+    it (:func:`stop_run`).
 
     Raises:
         QSyncError: a check failed (nothing started), or the run failed: the ranks' error
             and where the full log is, in one line.
     """
+    run_dir = Path(config.run_dir)
+    summary = run_dir / SUMMARY
+    before = _stamp(summary)
     job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
                 rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
                 env=env, log=not verbose)
-    run_dir = Path(config.run_dir)
     log = None if verbose else run_dir / LOG_NAME
-    returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
-    if returncode == 0 and nnodes == 1:
-        forget_ended_holder(run_dir)  # a finished run: the next one needs no takeover note
+    try:
+        returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
+    finally:
+        if nnodes == 1:  # torchrun has ended: the next run needs no takeover note
+            forget_ended_holder(run_dir)
+    if log is not None:
+        _show_notes(log)
     if returncode:
         where = f"; the full log is {log}" if log else ""
         raise QSyncError(f"the run failed (torchrun exit {returncode}): "
                          f"{rank_error(log)}{where}")
-    summary = run_dir / "summary.json"
-    return json.loads(summary.read_text()) if summary.exists() else None
+    written = _stamp(summary)
+    return json.loads(summary.read_text()) if written not in (None, before) else None
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """``path``'s inode and modification time (None: absent): a file written since differs."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _show_notes(log: Path) -> None:
+    """Print the ranks' notes in ``log`` (lines marked ``qsync_lab: ``) on stderr."""
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if _NOTE in line:  # after a progress bar's carriage returns, maybe
+            print(line[line.index(_NOTE):], file=sys.stderr)
 
 
 def _follow(job: subprocess.Popen, run_dir: Path, steps: int, *, progress: bool) -> int:
@@ -223,7 +259,7 @@ def _follow(job: subprocess.Popen, run_dir: Path, steps: int, *, progress: bool)
     this process is interrupted."""
     from tqdm.auto import tqdm
 
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     with tqdm(total=steps, desc="train", unit="step", disable=not progress) as bar:
         try:
             while job.poll() is None:

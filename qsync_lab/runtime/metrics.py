@@ -84,11 +84,17 @@ def summary_line(summary: dict[str, Any]) -> str:
         ...     "predicted_step_ms": 3.8, "step_error_pct": -5.0,
         ...     "measured_tensor_peak_mib": 2.0, "predicted_tensor_peak_mib": 2.1})
         'digits_cnn on local-cpu: 5 steps, test loss 0.2500; step time measured 4.00 ms, predicted 3.80 ms (-5.0 %); tensor peak measured 2.0 MiB, predicted 2.1 MiB'
+
+    Skipped steps (``--on-nonfinite skip``) are counted: ``…: 5 steps (3 non-finite steps
+    skipped), test loss …``.
     """
     accuracy, loss = summary.get("test_accuracy"), summary.get("test_loss")
     result = (f"test accuracy {accuracy:.4f}" if accuracy is not None
               else f"test loss {loss:.4f}" if loss is not None else "no test figure")
-    return (f"{summary['model']} on {summary['cluster']}: {summary['steps']} steps, {result}; "
+    skipped = summary.get("nonfinite_steps_skipped") or 0
+    steps = f"{summary['steps']} steps" + (
+        f" ({skipped} non-finite step{'s' if skipped > 1 else ''} skipped)" if skipped else "")
+    return (f"{summary['model']} on {summary['cluster']}: {steps}, {result}; "
             f"step time measured {summary['measured_step_ms']:.2f} ms, predicted "
             f"{summary['predicted_step_ms']:.2f} ms ({summary['step_error_pct']:+.1f} %); "
             f"tensor peak measured {summary['measured_tensor_peak_mib']:.1f} MiB, predicted "

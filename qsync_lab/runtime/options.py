@@ -25,11 +25,15 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.limits import loads_json
 from qsync_lab.optimizers import OPTIMIZER_STATES
 
-__all__ = ["NONFINITE_POLICIES", "TrainConfig", "config_from_args", "runtime_argv",
-           "runtime_parser"]
+__all__ = ["NONFINITE_POLICIES", "SAFE_CHANGES", "TrainConfig", "config_from_args",
+           "option_name", "runtime_argv", "runtime_parser"]
 
 #: what a step with a non-finite loss or gradient does: stop the run, or skip the update
 NONFINITE_POLICIES = ("stop", "skip")
+#: the settings a resume may change, each only when named in ``allow_change``
+#: (``--allow-change``); any other change makes another run
+SAFE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "on_nonfinite",
+                "deterministic", "warmup_steps")
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,9 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints (0: none).
         keep_checkpoints: how many of the newest checkpoints are kept.
         resume: continue from ``run_dir``'s newest valid checkpoint if there is one (the
-            run's settings must be the checkpoint's; ``steps`` may grow).
+            run's settings must be the checkpoint's, but for those in ``allow_change``).
+        allow_change: settings of :data:`SAFE_CHANGES` that a resume may change (e.g.
+            ``("steps",)`` to train further).
         on_nonfinite: ``"stop"``: a non-finite loss or gradient stops the run; ``"skip"``:
             its step is skipped on every rank (counted in the summary).
         deterministic: ``torch.use_deterministic_algorithms(True)`` (bit-reproducible runs).
@@ -74,6 +80,7 @@ class TrainConfig:
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
     resume: bool = False
+    allow_change: tuple[str, ...] = ()
     on_nonfinite: str = "stop"
     deterministic: bool = False
     warmup_steps: int | None = None
@@ -93,7 +100,7 @@ class TrainConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 what = "a positive" if least else "a non-negative"
-                raise QSyncError(f"--{name.replace('_', '-')} must be {what} integer, got "
+                raise QSyncError(f"--{option_name(name)} must be {what} integer, got "
                                  f"{value!r}")
         for name in ("lr", "momentum"):
             value = getattr(self, name)
@@ -101,6 +108,16 @@ class TrainConfig:
                 raise QSyncError(f"--{name} must be a finite non-negative number, got {value!r}")
         if self.model_kwargs is not None and not isinstance(self.model_kwargs, dict):
             raise QSyncError(f"model_kwargs must be a dict, got {self.model_kwargs!r}")
+        unknown = [name for name in self.allow_change if name not in SAFE_CHANGES]
+        if unknown:
+            raise QSyncError(f"--allow-change takes {', '.join(map(option_name, SAFE_CHANGES))}"
+                             f"; a change of {option_name(unknown[0])!r} makes another run: "
+                             "start a fresh --run-dir")
+
+
+def option_name(setting: str) -> str:
+    """A setting as its option is spelled: ``checkpoint_every`` -> ``checkpoint-every``."""
+    return setting.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,7 +151,11 @@ def runtime_parser(*, add_help: bool = True) -> argparse.ArgumentParser:
                         help="how many of the newest checkpoints to keep (2)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from --run-dir's newest valid checkpoint when there is "
-                        "one (same settings; more --steps is fine)")
+                        "one (same settings, but for those --allow-change names)")
+    parser.add_argument("--allow-change", default="", metavar="NAMES",
+                        help="with --resume: settings that may differ from the checkpoint's, "
+                        f"comma-separated, of: {', '.join(map(option_name, SAFE_CHANGES))} "
+                        "(e.g. steps, to train further)")
     parser.add_argument("--on-nonfinite", choices=list(NONFINITE_POLICIES), default="stop",
                         help="a non-finite loss or gradient stops the run (default) or its "
                         "step is skipped on every rank")
@@ -160,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data=args.data, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, seed=args.seed, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        allow_change=tuple(name.strip().replace("-", "_")
+                           for name in args.allow_change.split(",") if name.strip()),
         on_nonfinite=args.on_nonfinite, deterministic=args.deterministic,
         warmup_steps=args.warmup_steps, profiles=tuple(args.profile))
 
@@ -172,11 +195,13 @@ def runtime_argv(config: TrainConfig, *, threads: int | None = None) -> list[str
         value = getattr(config, f.name)
         if f.name in ("plan", "run_dir") or value == getattr(defaults, f.name):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + option_name(f.name)
         if isinstance(value, bool):
             argv.append(flag)
         elif f.name == "profiles":
             argv += [arg for path in value for arg in ("--profile", str(path))]
+        elif f.name == "allow_change":
+            argv += [flag, ",".join(map(option_name, value))]
         elif f.name == "model_kwargs":
             argv += [flag, json.dumps(value)]
         else:

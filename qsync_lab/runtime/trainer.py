@@ -26,14 +26,20 @@
    streams) from the newest checkpoint that verifies (a damaged newer one is reported in
    one line), which is what a torchrun restart does after a worker dies; it is refused,
    naming each difference, when the settings that define the run (seed, lr, momentum,
-   optimizer, batches, world size, model, data, compression, plan) are not the
-   checkpoint's, and does nothing when the checkpoint is already at ``steps``;
+   optimizer, batches, world size, model, data and its sha256, compression, plan) are not
+   the checkpoint's, does nothing when the checkpoint is already at ``steps``, and takes
+   other ``steps``, ``checkpoint_every``, ... (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`)
+   only when ``allow_change`` names them;
 6. at the end rank 0 evaluates test accuracy and writes ``summary.json``: measured median
    step time (after ``warmup_steps``, clipped so that at least one step is timed; the
    summary says how many were left out) and peak tensor memory beside the simulator's
    prediction for the same plan and optimizer (emulated kinds costed from the locally
    measured profile), and the final weights, ``final.safetensors`` (a checkpoint whose
    state is ``{"model": state_dict}``).
+
+Before anything is written every rank refuses a symlinked output in the run folder
+(:func:`~qsync_lab.runtime.outputs.check_outputs`), and before the model is built a bad
+``--profile``: no failure waits for the end of training.
 
 The rank's process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as the
 profiler's processes do: steady steps take no page faults, in the run and in the profile.
@@ -59,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from qsync_lab.costs import load_cost_model
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
@@ -66,7 +73,7 @@ from qsync_lab.io import atomic_write_text
 from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
 from qsync_lab.plan import Plan
 from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
-from qsync_lab.runtime.checkpoint import (capture_rng_state, checkpoint_path,
+from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpoint_path,
                                           latest_valid_checkpoint, prune_checkpoints,
                                           remove_partial_writes, restore_rng_state,
                                           save_checkpoint, settings_differences)
@@ -74,7 +81,9 @@ from qsync_lab.runtime.agreement import check_ranks_agree
 from qsync_lab.runtime.lock import lock_for_this_process
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.metrics import MetricsLog, strict_json
-from qsync_lab.runtime.options import TrainConfig
+from qsync_lab.runtime.options import SAFE_CHANGES, TrainConfig, option_name
+from qsync_lab.runtime.outputs import FINAL, METRICS, RANKS, SUMMARY, check_outputs
+from qsync_lab.runtime.prediction import run_profiles
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
 from qsync_lab.runtime.tasks import Task, call_model, default_task, load_task, map_inputs
 
@@ -83,12 +92,13 @@ __all__ = ["DEVICE_KIND_ENV", "TrainConfig", "train"]
 DEVICE_KIND_ENV = "QSYNC_DEVICE_KIND"
 MEMORY_STEPS = 2
 MIN_WARMUP_STEPS = 3
-FINAL = "final.safetensors"
 _MIB = 2**20
-#: options every rank must share besides the run's settings (a rank that stops earlier or
-#: checkpoints at other steps would leave the others waiting in a collective)
-_SHARED_OPTIONS = ("steps", "checkpoint_every", "keep_checkpoints", "resume", "on_nonfinite",
-                   "deterministic", "warmup_steps")
+#: options every rank must share besides the run's settings (a rank that resumes alone, or
+#: refuses a resume the others allow, would leave the others waiting in a collective)
+_SHARED_OPTIONS = ("resume", "allow_change")
+#: what restoring a checkpoint's state raises when it is not this run's (entries missing or
+#: of another kind or shape: a file that verifies may still be made by hand)
+_STATE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
 
 
 def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | None:
@@ -145,6 +155,8 @@ class _Run:
             raise QSyncError(f"the plan's cluster {self.cluster.name!r} has "
                              f"{self.plan.world_size} ranks but torchrun started {self.world}; "
                              f"use --nproc-per-node={self.plan.world_size} (or re-plan)")
+        # the prediction's costs, read now: a bad --profile fails before training, not after
+        self.costs = load_cost_model(*run_profiles(config.profiles, cuda=self.cuda))
         self.optimizer_name = config.optimizer or self.plan.optimizer
         self.kind = os.environ.get(DEVICE_KIND_ENV) or self.plan.ranks[self.rank].device
         if self.kind not in self.plan.precisions:
@@ -163,32 +175,33 @@ class _Run:
         self.nonfinite_skipped = 0
 
     def _settings(self) -> dict[str, Any]:
-        """What makes this run this run: a resume must match its checkpoint's (``steps`` and
-        the options that change no result may differ)."""
+        """What makes this run this run, then the options a resume may change only when
+        ``allow_change`` names them (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`)."""
         plan = self.plan.to_dict()
-        return {"seed": self.config.seed, "lr": self.config.lr, "momentum": self.config.momentum,
-                "optimizer": self.optimizer_name, "batch_sizes": list(self.batch_sizes),
-                "world_size": self.world, "model": self.task.model_name,
-                "model_kwargs": self.task.model_kwargs, "data": self.task.name,
-                "compression": plan["_data"]["compression"],
-                "plan": hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()}
+        defining = {
+            "seed": self.config.seed, "lr": self.config.lr, "momentum": self.config.momentum,
+            "optimizer": self.optimizer_name, "batch_sizes": list(self.batch_sizes),
+            "world_size": self.world, "model": self.task.model_name,
+            "model_kwargs": self.task.model_kwargs, "data": self.task.name,
+            "data_sha256": _data_sha256(self.task),
+            "compression": plan["_data"]["compression"],
+            "plan": hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()}
+        return {**defining, **{name: getattr(self.config, name) for name in SAFE_CHANGES}}
 
     def _identity(self) -> dict[str, str]:
-        """What every rank must share (:func:`~qsync_lab.runtime.agreement.check_ranks_agree`):
-        the plan, the model built, the cluster, the data and the options."""
-        options = {k: getattr(self.config, k) for k in _SHARED_OPTIONS}
-        data = hashlib.sha256()
-        for tensor in (*_tensors(self.task.train_inputs), self.task.train_target,
-                       *_tensors(self.task.test_inputs), self.task.test_target):
-            data.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        return {"plan": self.settings["plan"], "model": self.graph.fingerprint(),
-                "cluster": self.cluster.fingerprint(), "data": data.hexdigest(),
-                "settings": json.dumps({**self.settings, **options}, sort_keys=True)}
+        """What every rank must share, one field each, so that a difference is named
+        (:func:`~qsync_lab.runtime.agreement.check_ranks_agree`): the plan, the model built,
+        the cluster, every setting (the data's sha256 among them) and the options."""
+        fields = {"plan": self.settings["plan"], "model_graph": self.graph.fingerprint(),
+                  "cluster": self.cluster.fingerprint(), **self.settings,
+                  **{name: getattr(self.config, name) for name in _SHARED_OPTIONS}}
+        return {name: json.dumps(value, sort_keys=True) for name, value in fields.items()}
 
     def _note(self, line: str) -> None:
-        """One line on rank 0's stderr."""
+        """One line on rank 0's stderr, marked ``qsync_lab:`` (``qsync-lab run`` shows
+        such lines from the ranks' log)."""
         if self.rank == 0:
-            print(line, file=sys.stderr)
+            print(f"qsync_lab: {line}", file=sys.stderr)
 
     def _zoo_task(self) -> Task:
         model = self.config.model or self.plan.model_name
@@ -218,7 +231,7 @@ class _Run:
                 batch_sizes=self.batch_sizes, precisions=sorted(precisions),
                 optimizer=self.optimizer_name))
         except QSyncError as err:
-            self._note(f"qsync_lab: {err}")
+            self._note(str(err))
             return None
 
     def _build(self):
@@ -249,25 +262,52 @@ class _Run:
             return 0
         saved = latest_valid_checkpoint(self.run_dir, warn=self._note)
         if saved is None:
-            if (self.run_dir / "metrics.jsonl").exists():  # an earlier attempt saved nothing
-                self._note(f"qsync_lab: --resume: no checkpoint in {self.run_dir} (none was "
-                           "written yet, or --checkpoint-every 0); starting from step 0")
+            if (self.run_dir / METRICS).exists():  # an earlier attempt saved nothing
+                self._note(f"--resume: no checkpoint in {self.run_dir} (none was written yet, "
+                           "or --checkpoint-every 0); starting from step 0")
             return 0
-        differences = settings_differences(saved.manifest.get("settings", {}), self.settings)
-        if differences:
+        changed = self._changes(saved, [name for name in self.settings
+                                        if name not in SAFE_CHANGES])
+        if changed:
             raise QSyncError(f"--resume: this run differs from its checkpoint in: "
-                             f"{', '.join(differences)}; start a fresh --run-dir")
+                             f"{_listed(changed)}; start a fresh --run-dir")
         if saved.step >= self.config.steps:
             return saved.step
-        state, mine = saved.state, saved.state["ranks"][self.rank]
-        self.ddp.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        restore_rounding_counters(self.ddp.module, mine["rounding"])
-        if self.compression is not None:
-            self.compression.load_state_dict(mine["compression"])
-        restore_rng_state(mine["rng"])
-        self.nonfinite_skipped = state["nonfinite_steps_skipped"]
+        changed = self._changes(saved, [name for name in SAFE_CHANGES
+                                        if name not in self.config.allow_change])
+        if changed:
+            raise QSyncError(f"--resume: this run changes {_listed(changed)} from its "
+                             f"checkpoint; pass --allow-change "
+                             f"{','.join(map(option_name, changed))} to go on so, or resume "
+                             "with the checkpoint's values")
+        self._load_state(saved)
         return saved.step
+
+    def _changes(self, saved: Checkpoint, names: list[str]) -> dict[str, str]:
+        """The settings of ``names`` that differ from the checkpoint's."""
+        return settings_differences(saved.manifest.get("settings", {}),
+                                    {name: self.settings[name] for name in names})
+
+    def _load_state(self, saved: Checkpoint) -> None:
+        """Put the checkpoint's state (a :meth:`_checkpoint`'s) back in this rank.
+
+        Raises:
+            QSyncError: the state, which verifies, is not this run's (entries missing or of
+                another kind or shape); one line.
+        """
+        state = saved.state
+        try:
+            mine = state["ranks"][self.rank]
+            self.ddp.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            restore_rounding_counters(self.ddp.module, mine["rounding"])
+            if self.compression is not None:
+                self.compression.load_state_dict(mine["compression"])
+            restore_rng_state(mine["rng"])
+            self.nonfinite_skipped = int(state["nonfinite_steps_skipped"])
+        except _STATE_ERRORS as err:
+            raise QSyncError(f"{saved.path} verifies but does not hold this run's state "
+                             f"({_described(err)}); start a fresh --run-dir") from None
 
     def _checkpoint(self, step: int) -> None:
         mine = {"rng": capture_rng_state(), "rounding": rounding_counters(self.ddp.module),
@@ -325,6 +365,7 @@ class _Run:
 
     def train(self) -> dict[str, Any] | None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_outputs(self.run_dir)  # every rank, before anything is written
         if self.rank == 0:
             remove_partial_writes(self.run_dir)  # a writer killed mid-write
         self._write_rank_file()
@@ -336,13 +377,13 @@ class _Run:
             self._build()
             start = self._restore()
             if start >= self.config.steps:
-                missing = "" if (self.run_dir / "summary.json").exists() else (
-                    " (its summary.json is missing: the run stopped before writing it; "
-                    "metrics.jsonl has its steps)")
+                missing = "" if (self.run_dir / SUMMARY).exists() else (
+                    f" (its {SUMMARY} is missing: the run stopped before writing it; "
+                    f"{METRICS} has its steps)")
                 self._note(f"run already complete at step {start}; nothing to do{missing}")
                 return None
             if self.rank == 0:
-                log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=start)
+                log = MetricsLog(self.run_dir / METRICS, resume_step=start)
             with _progress(self.rank, start, self.config.steps) as progress:
                 for step in range(start, self.config.steps):
                     step_ms, loss, nonfinite_gradient = self._step(step)
@@ -400,9 +441,10 @@ class _Run:
         log.write(record)
 
     def _write_rank_file(self) -> None:
-        atomic_write_text(self.run_dir / "ranks" / f"rank{self.rank}.json",
+        atomic_write_text(self.run_dir / RANKS / f"rank{self.rank}.json",
                           f'{{"pid": {os.getpid()}, "kind": "{self.kind}", "attempt": '
-                          f'{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}}}\n')
+                          f'{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}}}\n',
+                          within=self.run_dir)
 
     def _finish(self, step_times: list[float], tensor_peak: int, start: int) -> dict | None:
         warmup = self.config.warmup_steps
@@ -422,21 +464,18 @@ class _Run:
         summary = self._summary(gathered, start)
         save_checkpoint(self.run_dir / FINAL, {"model": self.ddp.module.state_dict()},
                         self._manifest(self.config.steps))
-        atomic_write_text(self.run_dir / "summary.json", strict_json(summary, indent=1) + "\n")
+        atomic_write_text(self.run_dir / SUMMARY, strict_json(summary, indent=1) + "\n")
         return summary
 
     def _summary(self, ranks: list[dict], start: int) -> dict[str, Any]:
-        from qsync_lab.costs import load_cost_model
-        from qsync_lab.resources import data_file
         from qsync_lab.runtime.prediction import predict_plan
 
         accuracy, test_loss = self._evaluate()
-        profiles = self.config.profiles or ((str(data_file("profiles", "cpu.csv")),)
-                                            if not self.cuda else ())
+        profiles, costs = run_profiles(self.config.profiles, cuda=self.cuda), self.costs
         if self.model_profile:  # read first: its op rows win
             profiles = (self.model_profile, *profiles)
-        predicted = predict_plan(self.plan, self.graph, load_cost_model(*profiles),
-                                 optimizer=self.optimizer_name)
+            costs = load_cost_model(*profiles)
+        predicted = predict_plan(self.plan, self.graph, costs, optimizer=self.optimizer_name)
         measured_ms = max(r["median_step_ms"] for r in ranks)
         predicted_ms = predicted.iteration_us / 1e3
         measured_mem = max(r["tensor_peak_bytes"] for r in ranks)
@@ -483,6 +522,27 @@ def _progress(rank: int, start: int, steps: int):
 
     return tqdm(total=steps, initial=start, desc="train", unit="step", disable=rank != 0,
                 file=sys.stderr)
+
+
+def _data_sha256(task: Task) -> str:
+    """sha256 of a task's training and test tensors: a resume and every rank must train on
+    the same data, whatever its name."""
+    data = hashlib.sha256()
+    for tensor in (*_tensors(task.train_inputs), task.train_target,
+                   *_tensors(task.test_inputs), task.test_target):
+        data.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return data.hexdigest()
+
+
+def _listed(changes: dict[str, str]) -> str:
+    """``{"seed": "0 -> 1"}`` as ``seed 0 -> 1``, comma-separated."""
+    return ", ".join(f"{name} {change}" for name, change in changes.items())
+
+
+def _described(err: Exception) -> str:
+    """``KeyError: 'ranks'``: the error's type and the first line of its message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _tensors(inputs) -> list[torch.Tensor]:

@@ -55,10 +55,14 @@ def free_port() -> int:
 
 
 def launch(plan: Path, run_dir: Path, *args: str, nproc: int = 2, max_restarts: int = 0,
-           wait: bool = True, **torchrun):
-    """Start ``torchrun -m qsync_lab.runtime``; wait for it (check exit 0) or return the Popen."""
+           wait: bool = True, script: Path | None = None, **torchrun):
+    """Start ``torchrun -m qsync_lab.runtime`` (``script``: torchrun runs that file instead,
+    with the same arguments); wait for it (check exit 0) or return the Popen."""
     command = torchrun_command(str(plan), nproc, max_restarts=max_restarts, runtime_args=[
         "--run-dir", str(run_dir), "--threads", "1", *args], **torchrun)
+    if script is not None:
+        at = command.index("qsync_lab.runtime")
+        command[at - 1:at + 1] = [str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not wait:  # its own session: stop() ends torchrun and every worker it started
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,

@@ -1,18 +1,25 @@
 """Checkpoints are safe and verified: nothing is unpickled, damage is found by the sha256 and
-the previous checkpoint used, old ones are pruned, a legacy pickle is refused."""
+the previous checkpoint used, old ones are pruned, a legacy pickle is refused, a manifest
+without a step is refused and a FIFO or folder named like a checkpoint is left alone."""
 
+import os
 import pathlib
 import pickle
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.runtime.checkpoint import (checkpoint_path, latest_valid_checkpoint,
-                                          load_checkpoint, save_checkpoint)
+                                          load_checkpoint, prune_checkpoints, save_checkpoint)
 from qsync_lab.runtime.metrics import read_metrics
 from qsync_lab.runtime.trainer import TrainConfig, train
 from tests.runtime.conftest import one_rank_plan
+
+FIFO_GRACE_S = 5
 
 
 class _Payload:
@@ -111,7 +118,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, single
     train(TrainConfig(str(plan), str(run), steps=4, checkpoint_every=2))
     damage(checkpoint_path(run, 4))
     capsys.readouterr()
-    summary = train(TrainConfig(str(plan), str(run), steps=5, checkpoint_every=2, resume=True))
+    summary = train(TrainConfig(str(plan), str(run), steps=5, checkpoint_every=2, resume=True,
+                                allow_change=("steps",)))
     notes = [line for line in capsys.readouterr().err.splitlines() if "qsync_lab:" in line]
     assert len(notes) == 1 and f"checkpoint-00000004.safetensors {found}" in notes[0], notes
     assert notes[0].endswith("resuming from checkpoint-00000002.safetensors")
@@ -141,3 +149,49 @@ def test_the_last_k_checkpoints_are_kept_and_later_leftovers_removed(tmp_path,
     assert sorted(p.name for p in run.glob("checkpoint-*")) == [
         checkpoint_path(run, step).name for step in (4, 5, 6)]
     assert load_checkpoint(checkpoint_path(run, 6)).manifest["settings"]["world_size"] == 1
+
+
+def test_a_manifest_without_a_step_is_refused_in_one_line(tmp_path):
+    path = checkpoint_path(tmp_path, 5)
+    save_checkpoint(path, {"w": torch.ones(2)}, {"settings": {}})  # its sha256 is valid
+    with pytest.raises(QSyncError, match="has no step or no settings table in its manifest; "
+                       "start a fresh --run-dir") as err:
+        load_checkpoint(path)
+    _one_line(err)
+
+
+def test_a_fifo_or_folder_named_like_a_checkpoint_is_left_alone(tmp_path):
+    """Opening a FIFO to read it waits for a writer, the GIL held: a helper process opens
+    it for writing after FIFO_GRACE_S, so that a reader that blocks fails instead of
+    hanging."""
+    save_checkpoint(checkpoint_path(tmp_path, 10), {"w": torch.ones(2)}, {"step": 10})
+    fifo, folder = checkpoint_path(tmp_path, 30), checkpoint_path(tmp_path, 20)
+    os.mkfifo(fifo)
+    folder.mkdir()
+    unblocker = subprocess.Popen([sys.executable, "-c", _UNBLOCK, str(fifo), str(FIFO_GRACE_S)])
+    notes, begin = [], time.monotonic()
+    try:
+        latest = latest_valid_checkpoint(tmp_path, warn=notes.append)
+        with pytest.raises(QSyncError, match="checkpoint-00000030.safetensors is not a "
+                           "regular file") as err:
+            load_checkpoint(fifo)
+    finally:
+        unblocker.kill()
+        unblocker.wait()
+    assert time.monotonic() - begin < FIFO_GRACE_S, "reading the run folder blocked on the FIFO"
+    assert latest.step == 10 and notes == []
+    _one_line(err)
+    prune_checkpoints(tmp_path, 10, keep=1)
+    assert fifo.exists() and folder.is_dir()
+
+
+_UNBLOCK = """
+import os, sys, time
+time.sleep(float(sys.argv[2]))
+while True:  # a writer that comes and goes: a reader blocked on the FIFO reads its end
+    try:
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader at the moment
+        pass
+    time.sleep(0.05)
+"""

@@ -1,7 +1,9 @@
 """Real 2-rank gloo DDP runs under torchrun: equivalence with one process, hybrid plans,
-a SIGKILLed worker, and two "nodes" meeting at a c10d rendezvous on localhost."""
+a worker SIGKILLed at a random step or after the final checkpoint, and two "nodes" meeting
+at a c10d rendezvous on localhost (or refusing each other)."""
 
 import os
+import random
 import signal
 import subprocess
 import time
@@ -82,46 +84,98 @@ def test_a_mixed_plan_trains_on_the_emulated_hybrid(tmp_path):
 
 
 FAULT_STEPS, FAULT_EVERY = 300, 20
+FAULT_ARGS = ("--data", "synthetic", "--steps", str(FAULT_STEPS), "--checkpoint-every",
+              str(FAULT_EVERY), "--deterministic", "--resume")
+#: torchrun runs this instead of ``-m qsync_lab.runtime``: on the first attempt, rank 0 is
+#: SIGKILLed after the final checkpoint and weights, just before it writes summary.json
+KILLED_BEFORE_THE_SUMMARY = """
+import os, signal
+from qsync_lab.runtime import trainer
+from qsync_lab.runtime.__main__ import main
+from qsync_lab.runtime.rank_exit import exit_rank
+
+write = trainer.atomic_write_text
+
+def killed_before_the_summary(path, text, **options):
+    if path.name == "summary.json" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(path, text, **options)
+
+trainer.atomic_write_text = killed_before_the_summary
+exit_rank(main())
+"""
 
 
-def test_a_killed_worker_resumes_from_the_checkpoint_and_ends_identical(tmp_path):
-    plan = write_plan(tmp_path / "plan.json", "local-cpu", {"cpu": {"fc1": "int8"}},
-                      model="digits_mlp", task="synthetic")
-    args = ("--data", "synthetic", "--steps", str(FAULT_STEPS), "--checkpoint-every",
-            str(FAULT_EVERY), "--deterministic", "--resume")
-    launch(plan, tmp_path / "clean", *args)
+@pytest.fixture(scope="module")
+def fault_plan(tmp_path_factory):
+    return write_plan(tmp_path_factory.mktemp("fault") / "plan.json", "local-cpu",
+                      {"cpu": {"fc1": "int8"}}, model="digits_mlp", task="synthetic")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fault_plan):
+    """The final parameters of the fault tests' run, never interrupted."""
+    launch(fault_plan, fault_plan.parent / "clean", *FAULT_ARGS)
+    return final_parameters(fault_plan.parent / "clean")
+
+
+def test_a_worker_killed_at_a_random_step_resumes_and_ends_identical(tmp_path, fault_plan,
+                                                                     uninterrupted):
+    """The step and the rank are drawn from a seed printed here (QSYNC_FAULT_SEED repeats
+    a draw); steps early enough that the run is still going when the kill lands."""
+    seed = int(os.environ.get("QSYNC_FAULT_SEED", random.SystemRandom().randrange(2**32)))
+    draw = random.Random(seed)
+    kill_step, rank = draw.randrange(1, FAULT_STEPS - 3 * FAULT_EVERY), draw.randrange(2)
+    seen = f"QSYNC_FAULT_SEED={seed}: SIGKILL of rank {rank} after step {kill_step}"
+    print(seen)
     run = tmp_path / "faulty"
-    job = launch(plan, run, *args, max_restarts=1, wait=False)
+    job = launch(fault_plan, run, *FAULT_ARGS, max_restarts=1, wait=False)
     try:
-        victim = _pid_after_first_checkpoint(run, rank=0, job=job)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(_pid_after_step(run, kill_step, rank=rank, job=job), signal.SIGKILL)
+        output, _ = job.communicate(timeout=240)
+    finally:
+        stop(job)
+    assert job.returncode == 0, f"{seen}\n{output[-3000:]}"
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(FAULT_STEPS)), seen
+    assert max(r["attempt"] for r in records) == 1, f"{seen}: killed after the run ended"
+    assert not list(run.glob(".*.tmp")), f"{seen}: a half-written checkpoint was left behind"
+    assert load_checkpoint(checkpoint_path(run, FAULT_STEPS)).step == FAULT_STEPS
+    faulty = final_parameters(run)
+    assert all(torch.equal(uninterrupted[k], faulty[k]) for k in uninterrupted), seen
+
+
+def test_a_worker_killed_after_the_final_checkpoint_finds_the_run_complete(tmp_path, fault_plan,
+                                                                          uninterrupted):
+    """Killed before summary.json: torchrun restarts the ranks, which train nothing again
+    and exit 0, saying the run is complete; the weights are the uninterrupted run's."""
+    script = tmp_path / "killed_before_the_summary.py"
+    script.write_text(KILLED_BEFORE_THE_SUMMARY)
+    run = tmp_path / "faulty"
+    job = launch(fault_plan, run, *FAULT_ARGS, max_restarts=1, wait=False, script=script)
+    try:
         output, _ = job.communicate(timeout=240)
     finally:
         stop(job)
     assert job.returncode == 0, output[-3000:]
+    assert _read_json(run / "ranks" / "rank0.json")["attempt"] == 1, "no restart"
+    assert (f"qsync_lab: run already complete at step {FAULT_STEPS}; nothing to do (its "
+            "summary.json is missing") in output
+    assert not (run / "summary.json").exists()
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(FAULT_STEPS))
-    assert max(r["attempt"] for r in records) == 1, "the worker was killed after the run ended"
-    assert not list(run.glob(".*.tmp")), "a half-written checkpoint was left behind"
-    assert load_checkpoint(checkpoint_path(run, FAULT_STEPS)).step == FAULT_STEPS
-    clean, faulty = final_parameters(tmp_path / "clean"), final_parameters(run)
-    assert all(torch.equal(clean[k], faulty[k]) for k in clean)
-    # killed after the last checkpoint, torchrun restarts the ranks: they find the run complete
-    summary = (run / "summary.json").read_bytes()
-    again = subprocess.run(job.args, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"run already complete at step {FAULT_STEPS}; nothing to do" in again.stderr
-    assert (run / "summary.json").read_bytes() == summary
+    assert [(r["step"], r["attempt"]) for r in records] == [(s, 0) for s in range(FAULT_STEPS)]
+    faulty = final_parameters(run)
+    assert all(torch.equal(uninterrupted[k], faulty[k]) for k in uninterrupted)
 
 
-def _pid_after_first_checkpoint(run_dir, rank: int, job: subprocess.Popen) -> int:
-    deadline = time.monotonic() + 180
+def _pid_after_step(run_dir, step: int, rank: int, job: subprocess.Popen) -> int:
+    """The pid of ``rank`` once ``metrics.jsonl`` holds ``step`` steps."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 180
     while time.monotonic() < deadline and job.poll() is None:
-        if any(run_dir.glob("checkpoint-*.safetensors")):
+        if metrics.exists() and metrics.read_bytes().count(b"\n") >= step:
             return int(_read_json(run_dir / "ranks" / f"rank{rank}.json")["pid"])
         time.sleep(0.01)
-    raise AssertionError(f"no checkpoint appeared (job exit {job.poll()}): "
+    raise AssertionError(f"step {step} was not reached (job exit {job.poll()}): "
                          f"{job.stdout.read()[-3000:] if job.poll() is not None else ''}")
 
 
@@ -148,19 +202,21 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path):
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 10
 
 
-def test_ranks_started_with_different_plans_refuse_before_the_first_step(tmp_path):
+def test_ranks_started_with_different_plans_and_lr_refuse_before_the_first_step(tmp_path):
     plans = [write_plan(tmp_path / f"plan{i}.json", "local-cpu", {}, model="digits_mlp",
                         task="synthetic", compression=compression)
              for i, compression in enumerate((None, "fp16"))]
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", "10", nproc=1,
-                    nnodes=2, rdzv_endpoint=endpoint, wait=False) for plan in plans]
+    nodes = [launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", "10", "--lr", lr,
+                    nproc=1, nnodes=2, rdzv_endpoint=endpoint, wait=False)
+             for plan, lr in zip(plans, ("0.05", "0.1"))]
     try:
         outputs = [node.communicate(timeout=240)[0] for node in nodes]
     finally:
         for node in nodes:
             stop(node)
     assert all(n.returncode != 0 for n in nodes), "\n".join(o[-2000:] for o in outputs)
-    for output in outputs:
+    for output in outputs:  # each field named: the plan, and the settings one by one
         assert "ranks disagree before the first step: plan differs (ranks 0 vs 1)" in output
+        assert "lr differs (ranks 0 vs 1)" in output and "compression differs" in output
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "a rank trained"

@@ -1,3 +1,6 @@
+"""``qsync-lab run``'s launcher: Ctrl-C stops every rank; the ranks' notes reach the
+terminal."""
+
 import contextlib
 import json
 import signal
@@ -6,6 +9,9 @@ import sys
 import time
 
 import psutil
+
+from qsync_lab.cli import main
+from qsync_lab.runtime import launch
 
 from .conftest import write_plan
 
@@ -55,3 +61,23 @@ def _alive(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_the_ranks_notes_reach_the_terminal_and_no_old_summary_is_shown(tmp_path, monkeypatch,
+                                                                       capsys):
+    """The ranks' output goes to launch.log; their ``qsync_lab:`` notes (here after a
+    progress bar's carriage return) are shown, and a summary this run did not write is not
+    printed as its result, nor a line about another node."""
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
+                      task="synthetic")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text('{"steps": 3}')  # the finished run's
+    note = "qsync_lab: run already complete at step 3; nothing to do"
+    rank = f"import sys; print('train:   0%|  | 0/3\\r' + {note!r}, file=sys.stderr)"
+    monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", rank])
+    code = main(["run", "--plan", str(plan), "--run-dir", str(run_dir), "--steps", "3",
+                 "--resume"])
+    out, err = capsys.readouterr()  # err: the launcher's progress bar, then the note
+    assert (code, out) == (0, "")
+    assert [line for line in err.splitlines() if "qsync_lab" in line] == [note]

@@ -32,9 +32,11 @@ def plan_file(tmp_path_factory):
 
 def test_a_second_launch_on_a_locked_directory_is_refused_naming_the_holder(
         plan_file, tmp_path, capsys, monkeypatch):
+    """At once: before the model is built and traced (seconds for a large one)."""
     run_dir = tmp_path / "run"
     started = []
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(launch, "_model_graph", lambda *a: pytest.fail("the model was built"))
     with acquire_run_lock(run_dir):
         code = main(["run", "--plan", str(plan_file), "--run-dir", str(run_dir)])
     _, err = capsys.readouterr()
@@ -73,6 +75,19 @@ def test_a_finished_launch_leaves_the_lock_free_and_unrecorded(plan_file, tmp_pa
     monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", ""])
     assert launch.launch(TrainConfig(plan=str(plan_file), run_dir=str(run_dir)),
                          progress=False) is None  # no summary: the stand-in trained nothing
+    assert (run_dir / LOCK_NAME).read_text() == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no takeover note
+        acquire_run_lock(run_dir).release()
+
+
+def test_a_failed_launch_leaves_the_lock_free_and_unrecorded(plan_file, tmp_path, monkeypatch):
+    """torchrun exited with an error, but it did end: the next run needs no takeover note."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(launch, "torchrun_command",
+                        lambda *a, **k: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(QSyncError, match=r"the run failed \(torchrun exit 3\)"):
+        launch.launch(TrainConfig(plan=str(plan_file), run_dir=str(run_dir)), progress=False)
     assert (run_dir / LOCK_NAME).read_text() == ""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no takeover note

@@ -14,7 +14,7 @@ from qsync_lab.quant import apply_plan_, restore_rounding_counters, rounding_cou
 from qsync_lab.runtime import trainer
 from qsync_lab.runtime.__main__ import main
 from qsync_lab.runtime.checkpoint import checkpoint_path, load_checkpoint
-from qsync_lab.runtime.metrics import read_metrics
+from qsync_lab.runtime.metrics import read_metrics, summary_line
 from qsync_lab.runtime.sampler import UnevenBatchSampler
 from qsync_lab.runtime.tasks import Task, load_task
 from qsync_lab.runtime.trainer import TrainConfig, train
@@ -55,7 +55,7 @@ def test_resume_continues_bit_exactly(tmp_path, single_rank_group):
     assert set(halfway["optimizer"]["state"][0]) >= {"exp_avg", "exp_avg_sq"}
     halfway = halfway["model"]
     summary = train(TrainConfig(str(plan), str(split), steps=12, checkpoint_every=6,
-                                resume=True, **adamw))
+                                resume=True, allow_change=("steps",), **adamw))
     assert summary["resumed_from"] == 6
     assert [r["step"] for r in read_metrics(split / "metrics.jsonl")] == list(range(12))
     a, b = (final_parameters(d) for d in (whole, split))
@@ -72,7 +72,8 @@ def test_resume_with_compression_continues_bit_exactly(tmp_path, single_rank_gro
     train(TrainConfig(str(plan), str(split), steps=4, checkpoint_every=4))
     saved = load_checkpoint(checkpoint_path(split, 4)).state["ranks"][0]["compression"]
     assert saved["calls"] > 0 and set(saved["residuals"]) == {"conv2.weight"}
-    train(TrainConfig(str(plan), str(split), steps=8, checkpoint_every=4, resume=True))
+    train(TrainConfig(str(plan), str(split), steps=8, checkpoint_every=4, resume=True,
+                      allow_change=("steps",)))
     records = read_metrics(split / "metrics.jsonl")
     assert records[-1]["compression"]["cgx"]["elements"] > 0
     a, b = (final_parameters(d) for d in (whole, split))
@@ -185,6 +186,40 @@ def test_device_kind_override_must_be_in_the_plan(tmp_path, single_rank_group, m
         train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1))
 
 
+def _bad_profile(run):
+    profile = run.parent / "bad.csv"
+    profile.write_text("device,op,kind,shape_key,precision,phase,batch_size,numel,flops,bytes,"
+                       "time_us,repeats\ncpu,fc,linear,,fp32,forward,32,0,1,1,inf,20\n")
+    return {"profiles": (str(profile),)}
+
+
+def _symlinked(name):
+    def make(run):
+        elsewhere = run.parent / "elsewhere"
+        elsewhere.mkdir()
+        (run / name).symlink_to(elsewhere / name if name != "ranks" else elsewhere)
+        return {}
+    return make
+
+
+@pytest.mark.parametrize("fault, message", [
+    (_bad_profile, "time_us must be a number >= 0 and finite, got 'inf'"),
+    (_symlinked("summary.json"), "refusing to write through the symlink .*/run/summary.json"),
+    (_symlinked("ranks"), "refusing to write through the symlink .*/run/ranks;")],
+    ids=["bad-profile", "symlinked-summary", "symlinked-ranks-folder"])
+def test_a_bad_profile_or_a_symlinked_output_stops_before_the_first_step(
+        tmp_path, single_rank_group, fault, message):
+    """As torchrun started directly finds them: refused before training, not after."""
+    run = tmp_path / "run"
+    run.mkdir()
+    options = fault(run)
+    with pytest.raises(QSyncError, match=message) as err:
+        train(TrainConfig(str(one_rank_plan(tmp_path)), str(run), steps=2, **options))
+    assert "\n" not in str(err.value)
+    assert not (run / "metrics.jsonl").exists()
+    assert not (tmp_path / "elsewhere").exists() or not any((tmp_path / "elsewhere").iterdir())
+
+
 def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
     plan = one_rank_plan(tmp_path)
     train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2, checkpoint_every=1))
@@ -203,7 +238,8 @@ def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
     ("keep_checkpoints", 0, "--keep-checkpoints must be a positive integer"),
     ("on_nonfinite", "ignore", "--on-nonfinite must be one of stop, skip"),
     ("lr", float("nan"), "--lr must be a finite non-negative number"),
-    ("optimizer", "lion", "unknown optimizer 'lion'")])
+    ("optimizer", "lion", "unknown optimizer 'lion'"),
+    ("allow_change", ("lr",), "a change of 'lr' makes another run: start a fresh --run-dir")])
 def test_bad_config_values(field, value, message):
     with pytest.raises(QSyncError, match=message):
         TrainConfig("plan.json", **{field: value})
@@ -345,6 +381,7 @@ def test_skip_mode_skips_and_counts_and_the_json_files_stay_strict(tmp_path, sin
     sampler = UnevenBatchSampler(PROBE_SAMPLES, (32,), 0)
     poisoned = [step for step in range(steps) if index in sampler.indices(step, 0).tolist()]
     assert poisoned[0] == NONFINITE_STEP and summary["nonfinite_steps_skipped"] == len(poisoned)
+    assert f"{steps} steps ({len(poisoned)} non-finite step" in summary_line(summary)
     written = _strict_json((run / "summary.json").read_text())
     assert written["test_loss"] is None and written["nonfinite_steps_skipped"] == len(poisoned)
     records = [_strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
