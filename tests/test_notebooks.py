@@ -73,7 +73,8 @@ def test_no_cell_saved_an_error(path):
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
 def test_figures_are_saved_as_plotly_json_without_plotly_js(path):
     outputs = [o for c in _cells(path) for o in c.get("outputs", [])]
-    bundles = [o for o in outputs if any(PLOTLY_JS.search(_text(v)) for v in o.get("data", {}).values())]
+    bundles = [o for o in outputs
+               if any(PLOTLY_JS.search(_text(v)) for v in o.get("data", {}).values())]
     assert not bundles, f"{path.name}: plotly.js saved in {len(bundles)} outputs; set " \
                         "plotly.io.renderers.default = 'plotly_mimetype' before the first figure"
     figures = [o["data"][PLOTLY_JSON] for o in outputs if PLOTLY_JSON in o.get("data", {})]
@@ -90,5 +91,6 @@ def test_no_notebook_saves_widget_state():
 
 @pytest.mark.parametrize("path", _paths(), ids=lambda p: p.name)
 def test_the_notebook_stays_small(path):
+    size_mib = path.stat().st_size / 2**20
     assert path.stat().st_size <= MAX_BYTES, \
-        f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB saved (limit {MAX_BYTES / 2**20:.0f} MiB)"
+        f"{path.name}: {size_mib:.1f} MiB saved (limit {MAX_BYTES / 2**20:.0f} MiB)"

@@ -85,9 +85,10 @@ class CostModel:
         event_overhead_us: device name -> the same fit's correction per measured op event
             (may be negative; an event never drops below zero).
         precision_op_overhead_us: (device name, precision) -> µs each measured forward event
-            computed in that low precision adds: what a model's steps under a uniform plan
-            take beyond its rows (a profile's ``op_overhead_us.<precision>`` metadata,
-            :func:`qsync_lab.profile.overhead.precision_op_overhead_metadata`).
+            computed in that low precision adds: calibrated so that a model's measured DDP
+            step under a uniform plan of it is simulated (a profile's
+            ``op_overhead_us.<precision>`` metadata,
+            :func:`qsync_lab.profile.overhead.ddp_calibrated_metadata`).
         casts_in_measured_ops: measured op times include the op's own casts (the runtime's
             ops cast their operands, and the profiler times them whole), so the simulator
             adds no cast events for a phase whose time is measured. False for tables of

@@ -264,8 +264,9 @@ def ddp_calibrated_metadata(frames, graph, optimizer: str) -> dict[str, str]:
     calibrated = [_calibrate(frame, graph, optimizer) for frame in frames]
     step_us = statistics.fmean(c[STEP_OVERHEAD_KEY] for c in calibrated)
     first = frames[0].attrs
-    metadata = {STEP_OVERHEAD_KEY: f"{step_us:.3f}; fp32 DDP step {first['ddp_step_us']['fp32']:.1f}"
-                                   f" us on {first['ddp_processes']} processes - its simulation",
+    fp32_us = first["ddp_step_us"]["fp32"]
+    metadata = {STEP_OVERHEAD_KEY: f"{step_us:.3f}; fp32 DDP step {fp32_us:.1f} us on "
+                                   f"{first['ddp_processes']} processes - its simulation",
                 EVENT_OVERHEAD_KEY: "0.000; held in step_overhead_us (measured on this model)"}
     for key in calibrated[0]:
         if key.startswith(OP_OVERHEAD_PREFIX):

@@ -151,6 +151,8 @@ def test_each_low_precision_op_costs_the_profiles_op_overhead(tmp_path):
         write_profile(path, rows, {"device": "cpu", "op_overhead_us.bf16": f"{overhead}; test"})
         costs = CostModel.from_profiles(path, data_file("profiles", "cpu.csv"))
         assert costs.precision_op_overhead_us[("cpu", Precision.BF16)] == overhead
+        emulated = costs.emulating("T4", "cpu").precision_op_overhead_us  # an emulated kind
+        assert emulated[("T4", Precision.BF16)] == overhead
         results = {name: predict_plan(plan, graph, costs) for name, plan in plans.items()}
         steps[overhead] = {name: result.iteration_us for name, result in results.items()}
     events = results["bf16"].compute[0]
@@ -181,6 +183,9 @@ def test_concurrent_profiling_times_the_training_step_in_every_process():
                                    step_optimizer="sgd", ddp_steps=["fp32", "bf16"])
     assert set(ddp.attrs["ddp_step_us"]) == {"fp32", "bf16"} and ddp.attrs["ddp_processes"] == 2
     assert min(ddp.attrs["ddp_step_us"].values()) > 0 and "training_step_us" not in ddp.attrs
+    with pytest.raises(QSyncError, match="ddp_steps needs a step_optimizer"):
+        profile_ops_concurrently(_mlp(), inputs, target, nn.CrossEntropyLoss(), ["fp32"],
+                                 ddp_steps=["fp32"])
 
 
 class _FailsInAllButOneProcess(nn.Module):
