@@ -18,8 +18,10 @@ from .plumbing import (
     _empty,
     _f32,
     _from_numpy,
+    _into,
     _kernels,
     _nan_error,
+    _out,
 )
 from .reductions import _finite_absmax
 from .rng import rng_key
@@ -37,7 +39,7 @@ class CGXPacked(NamedTuple):
 
 
 def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check_finite=True,
-               backend="auto"):
+               backend="auto", out=None):
     """CGX bucketed max-min quantization to ``bits`` (1..8) bits, bit-packed.
 
     Per bucket of ``bucket_size`` consecutive elements: ``unit = (max - min)/(2**b - 1)``
@@ -46,7 +48,10 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
     ("nearest"). Codes are packed little-endian, 8 codes per ``bits`` bytes. NaN or Inf
     in ``x`` raises QSyncError (found by the same read of ``x``); with
     ``check_finite=False`` such a group's meta is not finite instead (its codes are
-    undefined), for a caller that checks the meta itself.
+    undefined), for a caller that checks the meta itself. ``out``: optional
+    ``(payload, meta)``, contiguous uint8 ``(ceil(n/8), bits)`` and float32
+    ``(groups, 2)`` tensors on x's device, written instead of new ones (a caller that
+    encodes the same size again and again keeps them).
 
     Example::
 
@@ -77,10 +82,16 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
         payload = ref.pack_bits(codes, bits).reshape(-1, bits) if n else None
         payload = _from_numpy(payload, x.device) if n else _empty((0, bits), dtype=torch.uint8)
         meta = _from_numpy(meta, x.device)
+        if out is not None:
+            payload, meta = (_into(payload, _out(out[0], payload.shape, torch.uint8, x.device,
+                                                 "out payload")),
+                             _into(meta, _out(out[1], meta.shape, torch.float32, x.device,
+                                              "out meta")))
     else:
         xf = _f32(x.detach())
-        meta = _empty((groups, 2), dtype=torch.float32, device=x.device)
-        payload = _empty((-(-n // 8), bits), dtype=torch.uint8, device=x.device)
+        payload, meta = (None, None) if out is None else out
+        meta = _out(meta, (groups, 2), torch.float32, x.device, "out meta")
+        payload = _out(payload, (-(-n // 8), bits), torch.uint8, x.device, "out payload")
         if n:
             k = _kernels(be)
             meta2 = _arr(meta).reshape(groups, 2)

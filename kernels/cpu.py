@@ -715,16 +715,17 @@ def _sum_squares(x, nck, out):
 @njit
 def _sum_squares_run(x, start, stop):
     """Sum of x[start:stop]² in float64 over 8 running sums (independent adds vectorise;
-    one running sum would wait on each add)."""
+    one running sum would wait on each add), on a slice from index 0 (see the layout note)."""
+    v = x[start:stop]
     lanes = np.zeros(8, dtype=np.float64)
-    body = start + (stop - start) // 8 * 8
-    for j in range(start, body, 8):
+    body = v.size // 8 * 8
+    for j in range(0, body, 8):
         for u in range(8):
-            d = np.float64(x[j + u])
+            d = np.float64(v[j + u])
             lanes[u] += d * d
     acc = lanes.sum()
-    for j in range(body, stop):
-        d = np.float64(x[j])
+    for j in range(body, v.size):
+        d = np.float64(v[j])
         acc += d * d
     return acc
 
@@ -788,12 +789,14 @@ def _cgx_inverse(unit):
 
 
 @_jit(parallel=True, error_model="numpy")
-def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
-    """Quantize groups to b bits and pack 8 codes into b bytes, little-endian.
+def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck):
+    """Quantize groups to b bits and pack 8 codes into b bytes, little-endian (first scanning
+    each group for its min and max when ``with_meta``: one read of ``x``).
 
-    Groups of a multiple of 8 elements run in parallel: their codes (float32 arithmetic, a
-    vectorised loop) go to a small buffer, then 8 at a time into one 64-bit word whose
-    ``bits`` low bytes are stored. Other group sizes are coded block by block.
+    Groups of a multiple of 8 elements run in ``nck`` parallel chunks of whole groups, each
+    with one scratch buffer: a group's codes (float32 arithmetic, a vectorised loop) go to
+    it, then 8 at a time into one 64-bit word whose ``bits`` low bytes are stored. Other
+    group sizes are coded block by block.
     """
     n = x.size
     levels = (1 << bits) - 1
@@ -809,51 +812,62 @@ def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
             for t in range(bits):
                 payload[blk * bits + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(0xFF))
         return
-    for g in prange(meta.shape[0]):
-        start = g * bucket
-        size = min(bucket, n - start)
-        codes = np.empty(bucket, dtype=np.uint8)  # this group's codes, then packed
-        _cgx_group_codes(x[start:start + size], meta[g, 0], _cgx_inverse(meta[g, 1]),
-                         levels, stochastic, key, start, codes)
-        codes[size:] = 0
-        _cgx_pack(codes, bits, payload[start // 8 * bits:(start + bucket) // 8 * bits])
+    groups = meta.shape[0]
+    for k in prange(nck):
+        codes = np.empty(bucket, dtype=np.uint8)  # a group's codes, then packed
+        first, stop = _bounds(groups, nck, k)
+        for g in range(first, stop):
+            start = g * bucket
+            size = min(bucket, n - start)
+            group = x[start:start + size]
+            if with_meta:
+                _cgx_group_meta(group, levels, meta[g])
+            _cgx_group_codes(group, meta[g, 0], _cgx_inverse(meta[g, 1]), levels, stochastic,
+                             key, start, codes)
+            codes[size:] = 0
+            _cgx_pack(codes, bits, payload[start // 8 * bits:(start + bucket) // 8 * bits])
 
 
-@_jit(parallel=True, error_model="numpy")
+def _group_chunks(groups, n):
+    """Parallel chunks of whole groups: as many as :func:`_nchunks` gives ``n`` elements."""
+    return max(1, min(groups, _nchunks(n)))
+
+
+def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
+    """CGX codes of ``x`` by the given ``(min, unit)`` per group, packed into ``payload``."""
+    _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, False,
+                _group_chunks(meta.shape[0], x.size))
+
+
 def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
-    """:func:`cgx_meta` and :func:`cgx_encode` in one read of ``x``: each group (a multiple
-    of 8 elements) is scanned for its min and max, then coded from the cache. A group
+    """:func:`cgx_meta` and :func:`cgx_encode` in one read of ``x`` (``bucket`` a multiple of
+    8): each group is scanned for its min and max, then coded from the cache. A group
     holding NaN or Inf gets a NaN min (the caller checks ``meta``)."""
-    n = x.size
-    levels = (1 << bits) - 1
-    for g in prange(meta.shape[0]):
-        start = g * bucket
-        size = min(bucket, n - start)
-        group = x[start:start + size]
-        _cgx_group_meta(group, levels, meta[g])
-        codes = np.empty(bucket, dtype=np.uint8)
-        _cgx_group_codes(group, meta[g, 0], _cgx_inverse(meta[g, 1]), levels, stochastic, key,
-                         start, codes)
-        codes[size:] = 0
-        _cgx_pack(codes, bits, payload[start // 8 * bits:(start + bucket) // 8 * bits])
+    _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, True,
+                _group_chunks(meta.shape[0], x.size))
 
 
 @njit
 def _min_max(x):
     """Min, max and whether every value is finite, on the bits: a float32's bits with the
     magnitude bits flipped for negatives order like the values (signed int32), and integer
-    min/max vectorise where float min/max do not. An exponent of all ones is NaN or Inf."""
+    min/max vectorise where float min/max do not. In that order +Inf and every positive NaN
+    come at or above +Inf's key, -Inf and every negative NaN at or below -Inf's, so the two
+    extremes alone tell whether the group is finite."""
     bits = x.view(np.int32)
     lo = np.int32(0x7FFFFFFF)
     hi = np.int32(-0x80000000)
-    special = np.int32(0)
     for t in range(x.size):
         b = bits[t]
         key = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
         lo = min(lo, key)
         hi = max(hi, key)
-        special |= (b & np.int32(0x7F800000)) == np.int32(0x7F800000)
-    return _ordered_float(lo), _ordered_float(hi), special == 0
+    finite = lo > _NEG_INF_KEY and hi < _POS_INF_KEY
+    return _ordered_float(lo), _ordered_float(hi), finite
+
+
+_POS_INF_KEY = np.int32(0x7F800000)  # ordered keys of +Inf and -Inf (see _min_max)
+_NEG_INF_KEY = np.int32(np.float32(-np.inf).view(np.int32) ^ np.int32(0x7FFFFFFF))
 
 
 @njit
@@ -877,8 +891,9 @@ def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, codes):
 def _cgx_run(x, lo, inv, levels, stochastic, key, j0, jhi, codes):
     top = np.float32(levels)
     if stochastic:
+        first = np.uint32(j0 & 0xFFFFFFFF)  # the index stays in 32-bit lanes (no wrap here)
         for t in range(x.size):
-            v = np.floor((x[t] - lo) * inv + _uniform(key, np.uint32(j0 + t), jhi))
+            v = np.floor((x[t] - lo) * inv + _uniform(key, first + np.uint32(t), jhi))
             codes[t] = np.uint8(min(max(v, np.float32(0)), top))
     else:
         for t in range(x.size):
@@ -906,9 +921,7 @@ def _cgx_pack(codes, bits, payload):
 
 
 @_jit(parallel=True, error_model="numpy")
-def cgx_decode(payload, meta, bucket, bits, accumulate, out):
-    """Unpack b-bit codes into ``min + unit·q`` (float32 arithmetic), written to ``out`` or
-    added to it (``accumulate``: a sum of several ranks' payloads in one pass each)."""
+def _cgx_decode(payload, meta, bucket, bits, accumulate, out, nck):
     n = out.size
     mask = np.uint64((1 << bits) - 1)
     if bucket % 8:  # blocks straddle groups: code by code
@@ -920,19 +933,29 @@ def cgx_decode(payload, meta, bucket, bits, accumulate, out):
                 value = meta[g, 0] + meta[g, 1] * np.float32((acc >> np.uint64(t * bits)) & mask)
                 out[base + t] = out[base + t] + value if accumulate else value
         return
-    for g in prange(meta.shape[0]):
-        start = g * bucket
-        size = min(bucket, n - start)
+    groups = meta.shape[0]
+    for k in prange(nck):
         codes = np.empty(bucket, dtype=np.uint8)
-        _cgx_unpack(payload[start // 8 * bits:(start + bucket) // 8 * bits], bits, codes)
-        lo, unit = meta[g, 0], meta[g, 1]
-        part = out[start:start + size]
-        if accumulate:
-            for t in range(size):
-                part[t] += lo + unit * np.float32(codes[t])
-        else:
-            for t in range(size):
-                part[t] = lo + unit * np.float32(codes[t])
+        first, stop = _bounds(groups, nck, k)
+        for g in range(first, stop):
+            start = g * bucket
+            size = min(bucket, n - start)
+            _cgx_unpack(payload[start // 8 * bits:(start + bucket) // 8 * bits], bits, codes)
+            lo, unit = meta[g, 0], meta[g, 1]
+            part = out[start:start + size]
+            if accumulate:
+                for t in range(size):
+                    part[t] += lo + unit * np.float32(codes[t])
+            else:
+                for t in range(size):
+                    part[t] = lo + unit * np.float32(codes[t])
+
+
+def cgx_decode(payload, meta, bucket, bits, accumulate, out):
+    """Unpack b-bit codes into ``min + unit·q`` (float32 arithmetic), written to ``out`` or
+    added to it (``accumulate``: a sum of several ranks' payloads in one pass each)."""
+    _cgx_decode(payload, meta, bucket, bits, accumulate, out,
+                _group_chunks(meta.shape[0], out.size))
 
 
 @njit

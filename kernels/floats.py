@@ -167,7 +167,7 @@ class FloatCodes(NamedTuple):
     values: torch.Tensor
 
 
-def float_quantize(x, fmt, *, scale=None, backend="auto"):
+def float_quantize(x, fmt, *, scale=None, backend="auto", out=None):
     """Cast ``x / scale`` to fp16, bf16, fp8 e4m3fn or fp8 e5m2 and widen it back, in one pass.
 
     The scaled cast of the FP8 training recipe, for an operand that is kept in the format and
@@ -180,6 +180,8 @@ def float_quantize(x, fmt, *, scale=None, backend="auto"):
         fmt: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", a Precision or the torch dtype.
         scale: optional divisor, a float or a one-element tensor (e.g. amax / max_finite).
         backend: "auto", "cpu", "cuda" or "reference".
+        out: optional ``FloatCodes`` (or pair) of contiguous tensors of x's shape and device,
+            the format's dtype and float32, written instead of new ones.
 
     Returns:
         FloatCodes(codes, values).
@@ -200,9 +202,15 @@ def float_quantize(x, fmt, *, scale=None, backend="auto"):
     if be == "reference":
         y = x.detach().cpu().float() / scale.cpu()[0]
         codes = float_encode(y, dtype, backend=be).to(x.device)
-        return FloatCodes(codes, float_decode(codes, backend=be))
-    codes = _empty(x.shape, dtype, x.device)
-    values = _empty(x.shape, torch.float32, x.device)
+        values = float_decode(codes, backend=be)
+        if out is None:
+            return FloatCodes(codes, values)
+        return FloatCodes(_into(codes, _out(out[0], x.shape, dtype, x.device, "out codes")),
+                          _into(values, _out(out[1], x.shape, torch.float32, x.device,
+                                             "out values")))
+    codes, values = (None, None) if out is None else out
+    codes = _out(codes, x.shape, dtype, x.device, "out codes")
+    values = _out(values, x.shape, torch.float32, x.device, "out values")
     if x.numel():
         bits = _arr(values.view(torch.int32)).view("uint32")
         _kernels(be).float_quantize(_arr(_f32(x.detach())), _arr(scale), _TORCH_FORMATS[dtype],

@@ -27,11 +27,12 @@ def _check_levels(levels):
     return levels
 
 
-def qsgd_encode(x, levels, *, seed=0, norm=None, backend="auto"):
+def qsgd_encode(x, levels, *, seed=0, norm=None, backend="auto", out=None):
     """QSGD: ``s = levels`` levels scaled by the L2 norm, stochastic rounding (unbiased).
 
     Codes are int8 in [-s, s] with ``x̂ = code · float32(norm) / s``. ``norm`` defaults to
-    ``l2norm(x)``; pass it to reuse one (e.g. computed elsewhere).
+    ``l2norm(x)``; pass it to reuse one (e.g. computed elsewhere). ``out``: optional
+    contiguous int8 tensor of x's shape and device for the codes.
 
     Example::
 
@@ -49,7 +50,7 @@ def qsgd_encode(x, levels, *, seed=0, norm=None, backend="auto"):
     if not math.isfinite(norm) or norm < 0:
         raise _nan_error()
     scale = torch.full((1,), float(ref.qsgd_scale(norm, levels)), device=x.device)
-    return QSGDCodes(_quantize(x, None, scale, levels, True, seed, be), float(norm), levels)
+    return QSGDCodes(_quantize(x, None, scale, levels, True, seed, be, out), float(norm), levels)
 
 
 def qsgd_decode(codes, norm, levels, *, backend="auto", out=None):

@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, float_sum_target, into
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_sum_target, into,
+                                     take)
 from qsync_lab.kernels import APS_ZERO_EXPONENT, absmax, aps_shift, float_decode, float_quantize
 
 __all__ = ["encode", "reduce", "wire"]
@@ -42,26 +43,23 @@ def _exponents(x: torch.Tensor, segments, world: int) -> torch.Tensor:
     return out
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
+def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
     exponents = comm.allreduce_max(_exponents(x, segments, comm.world))
     check_finite(torch.where(exponents == _NONFINITE_EXPONENT, float("inf"), 0.0),
                  "an aps bucket")
-    fmt = _FORMATS[spec.format]
-    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    fmt, dtype = _FORMATS[spec.format], _DTYPES[spec.format]
+    codes = take(workspace, "payload", x.numel(), torch.uint8, x.device)
+    values = take(workspace, "own", x.numel(), torch.float32, x.device)
     scales = []
     for (start, numel), exponent in zip(segments, exponents.tolist()):
         # an all-zero parameter on every rank has nothing to scale (its shift would
         # underflow a float32 scale)
         scale = 1.0 if exponent == APS_ZERO_EXPONENT else 2.0 ** -aps_shift(exponent, fmt)
-        quantized = float_quantize(x[start:start + numel], spec.format, scale=scale)
-        codes[start:start + numel] = quantized.codes.view(torch.uint8)
+        float_quantize(x[start:start + numel], spec.format, scale=scale,
+                       out=(codes[start:start + numel].view(dtype), values[start:start + numel]))
         scales.append(scale)
     context = (segments, scales)
-    return Encoded(codes, context, _decoded(codes, context, spec) if own else None)
-
-
-def _widened(codes: torch.Tensor, spec) -> torch.Tensor:
-    return float_decode(codes.view(_DTYPES[spec.format]))
+    return Encoded(codes, context, _scaled(values, context).view(x.shape) if own else None)
 
 
 def _scaled(values: torch.Tensor, context, divisor: float = 1.0) -> torch.Tensor:
@@ -72,15 +70,15 @@ def _scaled(values: torch.Tensor, context, divisor: float = 1.0) -> torch.Tensor
     return values
 
 
-def _decoded(codes: torch.Tensor, context, spec) -> torch.Tensor:
-    return _scaled(_widened(codes, spec), context)
-
-
-def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
     """The ranks' codes widened and summed in fp32 (the shifts are shared: scaled once)."""
-    gathered = comm.all_gather(encoded.payload)
-    total = float_sum_target(out, encoded.payload.numel())
-    widened = torch.empty_like(total)  # one buffer for every rank's values
+    payload = encoded.payload
+    gathered = comm.all_gather(payload, out=take(workspace, "gathered",
+                                                 comm.world * payload.numel(), payload.dtype,
+                                                 payload.device))
+    total = float_sum_target(out, payload.numel(), workspace)
+    # one buffer for every rank's values
+    widened = take(workspace, "decoded", payload.numel(), torch.float32, payload.device)
     for codes in gathered:
         total.add_(float_decode(codes.view(_DTYPES[spec.format]), out=widened))
     _scaled(total, encoded.context, comm.world)

@@ -13,29 +13,36 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_sum_target, into, pack,
-                                     unpack)
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_sum_target, into,
+                                     packed_parts, padded, take, unpack)
 from qsync_lab.kernels import cgx_decode, cgx_encode
 
 __all__ = ["encode", "reduce", "wire"]
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
+def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+    numel = x.numel()
+    layout = ((torch.float32, 2 * -(-numel // spec.group_size)),
+              (torch.uint8, -(-numel // 8) * spec.bits))
+    data, (meta, payload) = packed_parts(workspace, x.device, *layout)
     # a non-finite group's meta is not finite: every rank sees it after the all-gather
     packed = cgx_encode(x, spec.bits, spec.group_size, rounding=spec.rounding, seed=seed,
-                        check_finite=False)
-    layout = ((torch.float32, packed.meta.numel()), (torch.uint8, packed.payload.numel()))
+                        check_finite=False, out=(payload.view(-1, spec.bits), meta.view(-1, 2)))
     finite = own and bool(torch.isfinite(packed.meta).all())
-    own = cgx_decode(packed, out=torch.zeros(x.numel())).view(x.shape) if finite else None
-    return Encoded(pack(packed.meta, packed.payload), (packed, layout), own)
+    if finite:
+        own = take(workspace, "own", numel, torch.float32, x.device).zero_()
+        own = cgx_decode(packed, out=own).view(x.shape)
+    return Encoded(data, (packed, layout), own if finite else None)
 
 
-def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
     template, layout = encoded.context
-    gathered = [unpack(data, *layout) for data in comm.all_gather(encoded.payload)]
+    data = encoded.payload
+    gathered = [unpack(row, *layout) for row in comm.all_gather(
+        data, out=take(workspace, "gathered", comm.world * data.numel(), data.dtype, data.device))]
     for meta, _ in gathered:
         check_finite(meta, "a cgx bucket")
-    total = float_sum_target(out, math.prod(template.shape))
+    total = float_sum_target(out, math.prod(template.shape), workspace)
     for meta, payload in gathered:  # each rank's values added to the sum in one pass
         cgx_decode(template._replace(meta=meta.reshape(-1, 2), shape=tuple(total.shape),
                                      payload=payload.reshape(-1, spec.bits)), out=total)
@@ -45,5 +52,5 @@ def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
     groups = -(-numel // spec.group_size)
-    payload = -(-numel // 8) * spec.bits + 8 * groups
+    payload = padded(-(-numel // 8) * spec.bits + 8 * groups)
     return Wire("allgather", float(payload), 0.0, 4 + 4 + spec.bits / 8, spec.bits / 8 + 4 + 4)

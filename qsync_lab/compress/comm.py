@@ -67,11 +67,16 @@ class Comm:
         return self._run(tensor, 2 * (self.world - 1) / self.world, dist.all_reduce, tensor,
                          op=dist.ReduceOp.MAX, group=self.group)
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None
+                   ) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order; the
+        rows of ``out`` (a contiguous tensor of ``world`` times its elements) where given."""
         if self.world == 1:
             return [tensor]
-        gathered = [torch.empty_like(tensor) for _ in range(self.world)]
+        if out is None:
+            gathered = [torch.empty_like(tensor) for _ in range(self.world)]
+        else:
+            gathered = [row.view(tensor.shape) for row in out.view(self.world, -1).unbind(0)]
         return self._run(tensor, self.world - 1, dist.all_gather, gathered, tensor,
                          group=self.group)
 

@@ -22,7 +22,7 @@ Example::
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, into
+from qsync_lab.compress.codec import Encoded, Wire, check_finite, into, take
 from qsync_lab.kernels import absmax
 
 __all__ = ["encode", "reduce", "wire"]
@@ -30,12 +30,13 @@ __all__ = ["encode", "reduce", "wire"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
-    low = x.to(_DTYPES[spec.method]).div_(comm.world)  # one new tensor, as PyTorch's hook
-    return Encoded(low, None, low.float().mul_(comm.world) if own else None)
+def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+    low = take(workspace, "payload", x.numel(), _DTYPES[spec.method], x.device)
+    low.copy_(x.reshape(-1)).div_(comm.world)
+    return Encoded(low, None, low.float().mul_(comm.world).view(x.shape) if own else None)
 
 
-def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
+def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
     total = comm.allreduce_sum(encoded.payload)
     check_finite(absmax(total), f"a {spec.method} bucket (or its sum overflowed {spec.method})")
     return into(out, total) if out is not None else total.float()

@@ -3,8 +3,9 @@
 1. every rank's max |x| is all-reduced (MAX) into the shared scale ``M``;
 2. ``standard`` dithering: each rank rounds ``x / (M / L)`` stochastically to integers in
    ``[-L, L]`` with ``L = (2**(bits-1) - 1) // world``, so the ranks' codes sum in an
-   ordinary integer allreduce (int8, int16 or int32 as ``bits`` says) without overflow,
-   and the sum times ``M / L`` over the world size is the mean;
+   ordinary integer allreduce without overflow (int8 or int32 as ``bits`` says; neither
+   gloo nor NCCL sums int16, so 16-bit codes travel two to an int32 word, see
+   :func:`pair16`), and the sum times ``M / L`` over the world size is the mean;
    ``exponential`` dithering: each rank's codes are a sign and a power of two
    (``qsync_lab.kernels.global_qsgd_encode``), which do not sum as integers: they are
    all-gathered and decoded one by one.
@@ -18,14 +19,13 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, into
+from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, into, take
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, global_qsgd_encode,
                                quantize_int8)
 
-__all__ = ["encode", "levels", "reduce", "wire"]
+__all__ = ["encode", "levels", "pair16", "reduce", "unpair16", "wire"]
 
-_CODE_DTYPES = {8: torch.int8, 16: torch.int16, 32: torch.int32}
 
 
 def levels(spec, world: int) -> int:
@@ -44,7 +44,7 @@ def levels(spec, world: int) -> int:
     return count
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
+def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
     amax = float(absmax(x))  # NaN or Inf when x holds one
     scale = torch.tensor([amax if math.isfinite(amax) else NONFINITE], dtype=torch.float32)
     comm.allreduce_max(scale)
@@ -57,34 +57,68 @@ def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
     count = levels(spec, comm.world)
     unit = m / count if m > 0 else 1.0
     if spec.bits == 8:
-        codes = quantize_int8(x, scale=torch.tensor(unit), rounding="stochastic", seed=seed).codes
+        codes = take(workspace, "payload", x.numel(), torch.int8, x.device).view(x.shape)
+        quantize_int8(x, scale=torch.tensor(unit), rounding="stochastic", seed=seed, out=codes)
+        payload = codes
     else:  # wider codes: rounded in torch, the same way
         generator = torch.Generator().manual_seed(seed)
-        scaled = x / unit
-        codes = torch.floor(scaled + torch.rand(x.shape, generator=generator)).to(
-            _CODE_DTYPES[spec.bits])
-    return Encoded(codes, unit, codes.float().mul_(unit) if own else None)
+        codes = torch.floor(x / unit + torch.rand(x.shape, generator=generator)).to(torch.int32)
+        payload = pair16(codes.reshape(-1), count) if spec.bits == 16 else codes
+    return Encoded(payload, (unit, count, x.numel()), codes.float().mul_(unit) if own else None)
 
 
-def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
+def pair16(codes: torch.Tensor, count: int) -> torch.Tensor:
+    """16-bit codes in ``[-count, count]`` two to an int32 word, so that the ranks' words sum
+    in an int32 allreduce as their codes would in int16: the first code of a pair, biased
+    by ``count``, fills the low 16 bits, the second (signed) the rest. With
+    ``count * world <= 32767`` the low halves sum to at most 65534 (no carry) and the high
+    halves stay within int32.
+
+    Example::
+
+        >>> words = pair16(torch.tensor([-3, 2, 5], dtype=torch.int32), 8)
+        >>> unpair16(words + words, 2 * 8, 3).tolist()  # two ranks' sum
+        [-6, 4, 10]
+    """
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 1] * 65536 + (pairs[:, 0] + count)
+
+
+def unpair16(words: torch.Tensor, bias: int, numel: int) -> torch.Tensor:
+    """The summed codes of :func:`pair16` words summed over ranks (``bias``: ``count``
+    times the world size)."""
+    low = words & 0xFFFF
+    return torch.stack([low - bias, (words - low) >> 16], 1).view(-1)[:numel]
+
+
+def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
     if spec.dithering == "exponential":
         total = None
-        for codes in comm.all_gather(encoded.payload):
+        payload = encoded.payload
+        gathered = take(workspace, "gathered", comm.world * payload.numel(), payload.dtype,
+                         payload.device)
+        for codes in comm.all_gather(payload, out=gathered):
             value = global_qsgd_decode(codes, encoded.context, comm.world,
                                        dithering="exponential")
             total = value if total is None else total.add_(value)
         return into(out, total.div_(comm.world))
     total = comm.allreduce_sum(encoded.payload)
-    unit = encoded.context / comm.world
+    unit, count, numel = encoded.context
+    unit /= comm.world
     if total.dtype == torch.int8:  # the kernel writes the mean straight into the bucket
         return dequantize_int8(total, torch.tensor(unit), dtype=out.dtype if out is not None
                                else torch.float32, out=out)
-    return into(out, total.float().mul_(unit))
+    if spec.bits == 16:
+        total = unpair16(total, count * comm.world, numel)
+    return into(out, total.float().mul_(unit).view(out.shape if out is not None else -1))
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
     if spec.dithering == "exponential":
         return Wire("allgather", float(numel), 4.0, 4 + 4 + 1, 1 + 4 + 4)
     code_bytes = spec.bits // 8
-    return Wire("allreduce", float(numel * code_bytes), 4.0, 4 + 4 + code_bytes, code_bytes + 4)
+    payload = 4 * -(-numel // 2) if spec.bits == 16 else numel * code_bytes  # pair16's words
+    return Wire("allreduce", float(payload), 4.0, 4 + 4 + code_bytes, code_bytes + 4)
 

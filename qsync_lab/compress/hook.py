@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qsync_lab.compress import aps, cgx, fp16, global_qsgd, qsgd
+from qsync_lab.compress.codec import Workspace
 from qsync_lab.compress.comm import Comm
 from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
 from qsync_lab.errors import QSyncError
@@ -141,6 +142,7 @@ class CompressionState:
         self.seed, self.record, self.error_every = seed, telemetry, error_every
         self.calls = 0
         self.residuals: dict[str, torch.Tensor] = {}
+        self.workspace = Workspace()  # the methods' buffers, reused from bucket to bucket
         self._layouts: dict[tuple[int, ...], tuple[Group, ...]] = {}
         self._stats: dict[str, _Stats] = defaultdict(_Stats)
         self._failed: BaseException | None = None
@@ -255,7 +257,7 @@ class CompressionState:
         measure = self.record and self.calls % self.error_every == 0
         self.calls += 1
         encoded = module.encode(x, segments, spec, comm, seed,
-                                own=spec.error_feedback or measure)
+                                own=spec.error_feedback or measure, workspace=self.workspace)
         if encoded.own is not None and spec.error_feedback:
             for name, (start, n) in zip(group.names, segments):
                 part, own = x[start:start + n], encoded.own[start:start + n]
@@ -268,7 +270,7 @@ class CompressionState:
         if encoded.own is not None and measure:
             error_sq, norm_sq = l2norm(encoded.own - x) ** 2, l2norm(x) ** 2
         begin, comm_mid = time.perf_counter(), comm.seconds
-        module.reduce(encoded, spec, comm, out=x)  # the mean, into the bucket
+        module.reduce(encoded, spec, comm, out=x, workspace=self.workspace)  # the mean
         comm_s = comm.seconds - comm_begin
         decode_s = time.perf_counter() - begin - (comm.seconds - comm_mid)
         wire = module.wire(x.numel(), segments, spec, comm.world)

@@ -12,7 +12,7 @@ import math
 import torch
 
 from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, float_sum_target,
-                                     into, pack, unpack)
+                                     into, packed_parts, padded, take, unpack)
 from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_encode
 
 __all__ = ["encode", "levels", "reduce", "wire"]
@@ -23,25 +23,34 @@ def levels(spec) -> int:
     return 2 ** (spec.bits - 1) - 1
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False) -> Encoded:
+def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+    numel = x.numel()
+    data, (norm_part, codes) = packed_parts(workspace, x.device, (torch.float32, 1),
+                                            (torch.int8, numel))
     norm = l2norm(x)  # NaN or Inf when x holds one
     finite = math.isfinite(norm)
     if finite:
-        codes = qsgd_encode(x, levels(spec), seed=seed, norm=norm).codes
+        qsgd_encode(x.reshape(-1), levels(spec), seed=seed, norm=norm, out=codes)
     else:
-        codes, norm = torch.zeros(x.numel(), dtype=torch.int8), NONFINITE
-    payload = pack(torch.tensor([norm], dtype=torch.float32), codes)
-    return Encoded(payload, codes.numel(),
-                   qsgd_decode(codes, norm, levels(spec)) if own and finite else None)
+        codes.zero_()
+        norm = NONFINITE
+    norm_part.fill_(norm)
+    return Encoded(data, numel,
+                   qsgd_decode(codes, norm, levels(spec)).view(x.shape) if own and finite
+                   else None)
 
 
-def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
-    gathered = [unpack(data, (torch.float32, 1), (torch.int8, encoded.context))
-                for data in comm.all_gather(encoded.payload)]
+def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
+    data = encoded.payload
+    gathered = [unpack(row, (torch.float32, 1), (torch.int8, encoded.context))
+                for row in comm.all_gather(data, out=take(workspace, "gathered",
+                                                          comm.world * data.numel(),
+                                                          data.dtype, data.device))]
     for norm, _ in gathered:
         check_finite(norm, "a qsgd bucket")
-    total = float_sum_target(out, encoded.context)
-    decoded = torch.empty_like(total)  # one buffer for every rank's values
+    total = float_sum_target(out, encoded.context, workspace)
+    # one buffer for every rank's values
+    decoded = take(workspace, "decoded", encoded.context, torch.float32, data.device)
     for norm, codes in gathered:
         total.add_(qsgd_decode(codes, float(norm), levels(spec), out=decoded))
     total.div_(comm.world)
@@ -49,4 +58,4 @@ def reduce(encoded: Encoded, spec, comm, out=None) -> torch.Tensor:
 
 
 def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allgather", float(numel + 4), 0.0, 4 + 4 + 1, 1 + 4 + 4)
+    return Wire("allgather", float(padded(numel + 4)), 0.0, 4 + 4 + 1, 1 + 4 + 4)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from qsync_lab.compress.codec import Workspace
 from qsync_lab.compress.comm import Comm
 from qsync_lab.compress.hook import method_module
 from qsync_lab.compress.spec import CompressionSpec
@@ -15,7 +16,8 @@ from tests.compress.ranks import run_ranks
 N = 4096
 SEGMENTS = [(0, 1024), (1024, 3072)]  # two "parameters" of very different scales
 SAMPLES = 200
-UNBIASED = ["global_qsgd:8", {"method": "global_qsgd", "dithering": "exponential"}, "qsgd:8",
+UNBIASED = ["global_qsgd:8", "global_qsgd:16",
+            {"method": "global_qsgd", "dithering": "exponential"}, "qsgd:8",
             "cgx:4", {"method": "cgx", "bits": 2, "group_size": 256}]
 ROUNDING = ["fp16", "bf16", "aps:fp8_e5m2", "aps:fp8_e4m3",
             {"method": "cgx", "bits": 8, "rounding": "nearest"}]
@@ -161,10 +163,53 @@ def test_zero_gradients_give_zero_and_a_nan_on_one_rank_stops_every_rank():
 
 
 def test_wire_bytes_are_what_the_methods_send():
-    """Payload bytes per element: ~1 for the 8-bit methods, 2 for fp16, b/8 + meta for cgx."""
+    """Payload bytes per element: ~1 for the 8-bit methods, 2 for fp16, b/8 + meta for cgx;
+    packed payloads are padded to a multiple of 8 bytes (qsgd: its 4-byte norm + 4)."""
     wire = {text: method_module(CompressionSpec.parse(text)).wire(
         N, SEGMENTS, CompressionSpec.parse(text), 2).payload_bytes / N
         for text in ("global_qsgd:8", "aps", "cgx:4", "qsgd:8", "fp16")}
     assert wire["global_qsgd:8"] == 1 and wire["aps"] == 1 and wire["fp16"] == 2
     assert wire["cgx:4"] == pytest.approx(0.5 + 8 / 1024)
-    assert wire["qsgd:8"] == pytest.approx(1 + 4 / N)
+    assert N % 8 == 0 and wire["qsgd:8"] == pytest.approx(1 + 8 / N)
+
+
+ALL_METHODS = ["fp16", "bf16", "global_qsgd:8", "global_qsgd:16",
+               {"method": "global_qsgd", "dithering": "exponential"}, "aps:fp8_e5m2", "cgx:4",
+               {"method": "cgx", "bits": 3, "group_size": 100}, "qsgd:8"]
+
+
+def _with_and_without_workspace(rank, world, specs):
+    """Per spec, the mean and own-gradient of three calls (sizes N, N/2 + 3, N) through one
+    shared workspace and through fresh buffers, and the workspace's size after each call."""
+    comm, workspace = Comm(None), Workspace()
+    out = []
+    for spec in map(CompressionSpec.parse, specs):
+        module = method_module(spec)
+        for call, numel in enumerate((N, N // 2 + 3, N)):
+            x = gradient(rank)[:numel]
+            segments = [(0, min(1024, numel)), (min(1024, numel), numel - min(1024, numel))]
+            results = []
+            for ws in (workspace, None):
+                encoded = module.encode(x.clone(), segments, spec, comm, seed=call, own=True,
+                                        workspace=ws)
+                own = None if encoded.own is None else encoded.own.clone()
+                mean = module.reduce(encoded, spec, comm, out=torch.empty(numel), workspace=ws)
+                results.append((mean.clone(), own))
+            (mean_ws, own_ws), (mean_new, own_new) = results
+            out.append((spec.key, call, torch.equal(mean_ws, mean_new),
+                        own_new is None or torch.equal(own_ws, own_new), workspace.nbytes))
+    return out
+
+
+def test_a_shared_workspace_gives_the_results_of_fresh_buffers():
+    """Buffers reused across calls, sizes and methods change no bit of any result, and a
+    call no larger than an earlier one takes no new memory."""
+    results = run_ranks(_with_and_without_workspace, 3, ALL_METHODS)
+    for rows in results:
+        for key, call, same_mean, same_own, _ in rows:
+            assert same_mean and same_own, (key, call)
+        sizes = [nbytes for *_, nbytes in rows]
+        assert sizes[-1] > 0
+        for before, after, (_, call, *_) in zip(sizes, sizes[1:], rows[1:]):
+            if call > 0:  # the second and third call of a method fit the first's buffers
+                assert after == before

@@ -7,11 +7,14 @@ import torch
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import (
     aps_quantize,
+    cgx_encode,
     dequantize_int8,
     fake_quantize_int8,
     float_encode,
+    float_quantize,
     float_round,
     floatfmt,
+    qsgd_encode,
     quantize_int8,
     reference,
 )
@@ -139,3 +142,41 @@ def test_scalar_encode_handles_nan_without_mantissa_bits():
     code = floatfmt.encode(0x7FC00000, floatfmt.ieee_format(3, 0))
     assert int(code) == 0b0111
     assert int(floatfmt.round_bits(0x7FC00001, floatfmt.ieee_format(3, 0))) == 0x7FC00001
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_compressor_out_matches_allocating_call(backend):
+    """cgx_encode, qsgd_encode and float_quantize write the given buffers, bit for bit what
+    the allocating call returns."""
+    x = _x((7, 100))
+    for bits, group in ((4, 512), (3, 100), (8, 64)):
+        groups, blocks = -(-x.numel() // group), -(-x.numel() // 8)
+        out = (torch.empty(blocks, bits, dtype=torch.uint8), torch.empty(groups, 2))
+        packed = cgx_encode(x, bits, group, seed=5, backend=backend, out=out)
+        fresh = cgx_encode(x, bits, group, seed=5, backend=backend)
+        assert packed.payload.data_ptr() == out[0].data_ptr()
+        assert packed.meta.data_ptr() == out[1].data_ptr()
+        assert torch.equal(out[0], fresh.payload) and torch.equal(out[1], fresh.meta)
+    codes = torch.empty(x.shape, dtype=torch.int8)
+    assert qsgd_encode(x, 15, seed=2, backend=backend, out=codes).codes is codes
+    assert torch.equal(codes, qsgd_encode(x, 15, seed=2, backend=backend).codes)
+    out = (torch.empty(x.shape, dtype=torch.float8_e5m2), torch.empty(x.shape))
+    q = float_quantize(x, "fp8_e5m2", scale=0.25, backend=backend, out=out)
+    fresh = float_quantize(x, "fp8_e5m2", scale=0.25, backend=backend)
+    assert q.codes.data_ptr() == out[0].data_ptr() and q.values.data_ptr() == out[1].data_ptr()
+    assert torch.equal(_bits(out[0]), _bits(fresh.codes)) and torch.equal(out[1], fresh.values)
+
+
+def test_compressor_bad_out_raises_one_line():
+    x = _x((4, 64))
+    with pytest.raises(QSyncError, match="out meta must be a contiguous torch.float32 tensor "
+                                         r"of shape \(1, 2\)") as err:
+        cgx_encode(x, 4, 512, out=(torch.empty(32, 4, dtype=torch.uint8), torch.empty(2, 2)))
+    assert "\n" not in str(err.value)
+    with pytest.raises(QSyncError, match="out payload"):
+        cgx_encode(x, 4, 512, out=(torch.empty(32, 8, dtype=torch.uint8), torch.empty(1, 2)))
+    with pytest.raises(QSyncError, match="must be a contiguous torch.int8"):
+        qsgd_encode(x, 15, out=torch.empty(x.shape))
+    with pytest.raises(QSyncError, match="out values"):
+        float_quantize(x, "bf16", out=(torch.empty(x.shape, dtype=torch.bfloat16),
+                                       torch.empty(3)))
