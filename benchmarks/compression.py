@@ -1,7 +1,8 @@
 """Compressed gradient communication on gloo ranks: a 25 MB bucket end to end, accuracy, and
 the simulator's prediction of compressed runs.
 
-1. **bucket**: on 2 and 4 gloo ranks (1 intra-op thread each, as the runtime runs them), each
+1. **bucket**: on 2 and 4 gloo ranks (1 intra-op thread each and freed memory kept, as the
+   runtime runs them), each
    rank's gradient is one 25 MiB fp32 bucket (a 2560 x 2560 weight, DDP's default bucket cap
    is 25 MB). Each entry runs the bucket through a DDP comm hook from the call to the
    completed future (encode + communicate + decode, every rank's copy back included):
@@ -12,13 +13,16 @@ the simulator's prediction of compressed runs.
    allreduced tensor, ``n-1`` times an all-gathered one).
 2. **runs**: per spec (and without compression), ``torchrun ... -m qsync_lab.runtime`` on the
    ``local-cpu`` cluster (2 gloo ranks, batch 16 each), as ``qsync-lab run`` starts it and
-   with the shipped profile ``data/profiles/cpu.csv`` (the user's path): the digits CNN on
+   with the shipped profile ``data/profiles/cpu.csv`` (the user's path), or with
+   ``--profile`` a profile of this machine (as the README's ``qsync-lab profile ...
+   --compress`` writes it; the shipped one was measured on another day, and the VM's speed
+   drifts): the digits CNN on
    the real digits data for ``--digits-steps`` steps (its test accuracy), and ResNet-18 on
    synthetic data for ``--resnet-steps`` steps (its 44 MB of gradients make communication
    a large part of the step). Each run's ``summary.json`` gives the measured median step
    and the simulator's prediction of the same plan; the target is within 10 %.
 
-Run: ``.venv/bin/python benchmarks/compression.py [--repeats 20] [--out FILE]``.
+Run: ``.venv/bin/python benchmarks/compression.py [--repeats 20] [--profile CSV] [--out FILE]``.
 """
 
 import os
@@ -46,6 +50,7 @@ from qsync_lab.cluster import load_cluster
 from qsync_lab.compress import CompressionSpec
 from qsync_lab.compress.hook import CompressionState, StandaloneBucket, compression_hook
 from qsync_lab.graph import trace_graph
+from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.launch import torchrun_command
@@ -69,6 +74,7 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the training ranks (qsync_lab.hostmem)
     model = nn.Module()
     model.weight = nn.Parameter(torch.empty(BUCKET_SHAPE))
     gradient = torch.randn(model.weight.numel(), generator=torch.Generator().manual_seed(rank))
@@ -141,8 +147,10 @@ def _graph(name: str, kwargs: dict, batch_size: int):
                        loss_fn=model_spec(name).loss_fn())
 
 
-def run_case(name: str, spec: str | None, steps: int, folder: Path) -> dict:
-    """One 2-rank run of ``name`` with ``spec``; its summary.json."""
+def run_case(name: str, spec: str | None, steps: int, folder: Path,
+             profiles: list[Path] = ()) -> dict:
+    """One 2-rank run of ``name`` with ``spec`` (predicted with ``profiles``, default the
+    shipped one); its summary.json."""
     kwargs, data = RUNS[name]
     cluster = load_cluster(CLUSTER)
     graph = _graph(name, kwargs, cluster.ranks[0].batch_size)
@@ -151,7 +159,8 @@ def run_case(name: str, spec: str | None, steps: int, folder: Path) -> dict:
         name, kwargs).save(plan_path)
     subprocess.run(torchrun_command(str(plan_path), 2, runtime_args=[
         "--data", data, "--steps", str(steps), "--warmup-steps", str(steps // 5),
-        "--checkpoint-every", "0", "--threads", "1", "--run-dir", str(run_dir)]),
+        "--checkpoint-every", "0", "--threads", "1", "--run-dir", str(run_dir),
+        *[arg for path in profiles for arg in ("--profile", str(path))]]),
         check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"})
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -161,12 +170,12 @@ def run_case(name: str, spec: str | None, steps: int, folder: Path) -> dict:
             "step_err_%": summary["step_error_pct"]}
 
 
-def runs_table(steps: dict[str, int]) -> pd.DataFrame:
+def runs_table(steps: dict[str, int], profiles: list[Path] = ()) -> pd.DataFrame:
     rows = []
     cases = [(name, spec) for name in RUNS for spec in (None, *SPECS)]
     with tempfile.TemporaryDirectory() as folder:
         for name, spec in tqdm(cases, desc="runs"):
-            rows.append(run_case(name, spec, steps[name], Path(folder)))
+            rows.append(run_case(name, spec, steps[name], Path(folder), profiles))
     return pd.DataFrame(rows)
 
 
@@ -177,6 +186,8 @@ def main() -> None:
     parser.add_argument("--digits-steps", type=int, default=300)
     parser.add_argument("--resnet-steps", type=int, default=40)
     parser.add_argument("--skip-runs", action="store_true", help="only the bucket table")
+    parser.add_argument("--profile", type=Path, action="append", default=[],
+                        help="predict the runs with this profile (default: the shipped one)")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
     if args.repeats < 20:
@@ -196,12 +207,14 @@ def main() -> None:
             report.append(f"target 8-bit {spec} on 2 ranks <= 0.5x fp32 ({0.5 * fp32:.2f} ms) "
                           f"and < torch fp16 hook ({fp16:.2f} ms): {two[spec]:.2f} ms {verdict}")
     if not args.skip_runs:
-        runs = runs_table({"digits_cnn": args.digits_steps, "resnet18": args.resnet_steps})
+        runs = runs_table({"digits_cnn": args.digits_steps, "resnet18": args.resnet_steps},
+                          [path.resolve() for path in args.profile])
         worst = runs["step_err_%"].abs().max()
+        source = (", ".join(map(str, args.profile)) if args.profile
+                  else "the shipped data/profiles/cpu.csv")
         report += ["", "2. runs on local-cpu (2 gloo ranks x 1 thread, batch 16 each), "
-                   "torchrun -m qsync_lab.runtime, predictions from the shipped "
-                   "data/profiles/cpu.csv; digits_cnn on the digits data (test accuracy), "
-                   "resnet18 on synthetic data",
+                   f"torchrun -m qsync_lab.runtime, predictions from {source}; "
+                   "digits_cnn on the digits data (test accuracy), resnet18 on synthetic data",
                    runs.to_string(index=False, float_format=lambda v: f"{v:.3f}"),
                    f"largest |step error|: {worst:.1f} % (target <= {TARGET_PCT:g} %) "
                    f"{'MET' if worst <= TARGET_PCT else 'MISSED'}"]

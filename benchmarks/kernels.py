@@ -104,6 +104,7 @@ def _routines(x):
             warnings.simplefilter("ignore")
             return torch.quantize_per_channel(x2, s.double(), zp, 1, torch.qint8)
 
+    cgx_out = (packed.payload.clone(), packed.meta.clone())
     return [
         ("absmax", 4, lambda: K.absmax(x), None, lambda: x.abs().amax()),
         ("int8 quantize, given scale", 5, lambda: K.quantize_int8(x, scale=scale),
@@ -149,15 +150,17 @@ def _routines(x):
          lambda: K.global_qsgd_encode(x, amax, 4, seed=1), None,
          lambda: torch.clamp(torch.floor(x * (31 * inv / 127) + torch.rand_like(x)),
                              -31, 31).to(torch.int8)),
-        ("QSGD s=15 encode (norm+quant)", 9, lambda: K.qsgd_encode(x, 15, seed=1), None,
+        ("QSGD s=15 encode (norm+quant)", 9, lambda: K.qsgd_encode(x, 15, seed=1),
+         lambda: K.qsgd_encode(x, 15, seed=1, out=o8),
          lambda: torch.clamp(torch.floor(x * (15 / float(torch.linalg.vector_norm(x)))
                                           + torch.rand_like(x)), -15, 15).to(torch.int8)),
         ("QSGD norm (float64 sum)", 4, lambda: K.l2norm(x), None,
          lambda: torch.linalg.vector_norm(x, dtype=torch.float64)),
         ("CGX 4-bit B=512 encode (stochastic)", cgx_bytes, lambda: K.cgx_encode(x, 4, 512),
-         None, None),
+         lambda: K.cgx_encode(x, 4, 512, out=cgx_out), None),
         ("CGX 4-bit B=512 encode (nearest)", cgx_bytes,
-         lambda: K.cgx_encode(x, 4, 512, rounding="nearest"), None, None),
+         lambda: K.cgx_encode(x, 4, 512, rounding="nearest"),
+         lambda: K.cgx_encode(x, 4, 512, rounding="nearest", out=cgx_out), None),
         ("CGX 4-bit decode", cgx_bytes, lambda: K.cgx_decode(packed), None, None),
         ("CGX 4-bit decode, add to a sum", cgx_bytes + 4, None,
          lambda: K.cgx_decode(packed, out=o32), None),

@@ -14,10 +14,11 @@ has three functions over one flat float32 gradient ``x`` holding one or more par
   simulator.
 
 Both take their payload, gather and decode buffers from a :class:`Workspace` (the hook keeps
-one; without it they allocate). ``Encoded.own`` is this rank's gradient as the method compresses it (for error feedback and
-the telemetry's relative error). A rank whose gradient holds NaN or Inf marks its payload
-(:data:`NONFINITE`), every rank sees the mark after the collective, and every rank raises
-:class:`NonFiniteGradient`: the ranks stop together, nothing is averaged silently.
+one; without it they allocate). ``Encoded.own`` is this rank's gradient as the method
+compresses it (for error feedback and the telemetry's relative error). A rank whose
+gradient holds NaN or Inf marks its payload (:data:`NONFINITE`), every rank sees the mark
+after the collective, and every rank raises :class:`NonFiniteGradient`: the ranks stop
+together, nothing is averaged silently.
 """
 
 from dataclasses import dataclass
@@ -76,12 +77,12 @@ class Wire:
 class Workspace:
     """Buffers that the methods' encode and reduce reuse from call to call, one per role.
 
-    A new tensor of several MB costs a page fault per page the first time it is written:
-    on a CPU about as long as quantizing into it (a fresh 6.25 MiB int8 buffer measured
-    4.2 ms here, writing the same buffer again 0.18 ms). The hook's sender thread reduces
-    one parameter group at a time, so one buffer per role (codes, gathered payloads, ...),
-    grown to the largest group, serves every bucket. A buffer handed out is valid until
-    the same role is taken again.
+    A new tensor of several MB costs a page fault per page the first time it is written,
+    on a CPU often as long as quantizing into it (unless the process keeps its freed
+    memory, :mod:`qsync_lab.hostmem`, as the training ranks do). The hook's sender thread
+    reduces one parameter group at a time, so one buffer per role (codes, gathered
+    payloads, ...), grown to the largest group, serves every bucket. A buffer handed out is
+    valid until the same role is taken again.
 
     Example::
 
