@@ -760,7 +760,7 @@ def exp_dither_decode(codes, m, out):
 @_jit(parallel=True)
 def cgx_meta(x, bucket, levels, meta):
     """Per group: ``meta[g] = (min, float32((max - min) / levels))``; a group holding NaN
-    or Inf gets a NaN min."""
+    or Inf gets a non-finite meta."""
     n = x.size
     for g in prange(meta.shape[0]):
         start = g * bucket
@@ -769,8 +769,8 @@ def cgx_meta(x, bucket, levels, meta):
 
 @njit
 def _cgx_group_meta(group, levels, meta):
-    lo, hi, finite = _min_max(group)
-    meta[0] = lo if finite else np.float32(np.nan)
+    lo, hi = _min_max(group)
+    meta[0] = lo
     meta[1] = np.float32((np.float64(hi) - np.float64(lo)) / levels)
 
 
@@ -842,18 +842,18 @@ def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
 def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
     """:func:`cgx_meta` and :func:`cgx_encode` in one read of ``x`` (``bucket`` a multiple of
     8): each group is scanned for its min and max, then coded from the cache. A group
-    holding NaN or Inf gets a NaN min (the caller checks ``meta``)."""
+    holding NaN or Inf gets a non-finite meta (the caller checks ``meta``)."""
     _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, True,
                 _group_chunks(meta.shape[0], x.size))
 
 
 @njit
 def _min_max(x):
-    """Min, max and whether every value is finite, on the bits: a float32's bits with the
-    magnitude bits flipped for negatives order like the values (signed int32), and integer
-    min/max vectorise where float min/max do not. In that order +Inf and every positive NaN
-    come at or above +Inf's key, -Inf and every negative NaN at or below -Inf's, so the two
-    extremes alone tell whether the group is finite."""
+    """Min and max, on the bits: a float32's bits with the magnitude bits flipped for
+    negatives order like the values (signed int32), and integer min/max vectorise where
+    float min/max do not. In that order +Inf and every positive NaN come at or above +Inf,
+    -Inf and every negative NaN at or below -Inf, so a group holding any of them has a
+    non-finite min or max."""
     bits = x.view(np.int32)
     lo = np.int32(0x7FFFFFFF)
     hi = np.int32(-0x80000000)
@@ -862,12 +862,7 @@ def _min_max(x):
         key = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
         lo = min(lo, key)
         hi = max(hi, key)
-    finite = lo > _NEG_INF_KEY and hi < _POS_INF_KEY
-    return _ordered_float(lo), _ordered_float(hi), finite
-
-
-_POS_INF_KEY = np.int32(0x7F800000)  # ordered keys of +Inf and -Inf (see _min_max)
-_NEG_INF_KEY = np.int32(np.float32(-np.inf).view(np.int32) ^ np.int32(0x7FFFFFFF))
+    return _ordered_float(lo), _ordered_float(hi)
 
 
 @njit

@@ -29,7 +29,7 @@ import torch
 from qsync_lab.errors import QSyncError
 
 __all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "Workspace", "check_finite",
-           "float_sum_target", "into", "pack", "packed_parts", "padded", "take", "unpack"]
+           "float_sum_target", "into", "packed_parts", "padded", "take", "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
@@ -145,22 +145,20 @@ def float_sum_target(out: torch.Tensor | None, numel: int,
     return take(workspace, "sum", numel, torch.float32, device).zero_()
 
 
-def pack(*parts: torch.Tensor) -> torch.Tensor:
-    """Tensors as one flat uint8 tensor (an all-gather carries one tensor per rank)."""
-    return torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
-
-
 def packed_parts(workspace: Workspace | None, device, *layout: tuple[torch.dtype, int]):
-    """One flat uint8 payload buffer (the workspace's ``"payload"``) and views of its parts,
-    laid out as :func:`pack` joins them (then padded to a multiple of 8 bytes): the parts
-    are written in place, nothing is joined.
+    """One flat uint8 payload buffer (the workspace's ``"payload"``; an all-gather carries one
+    tensor per rank) and views of its parts, one after the other (``layout``: ``(dtype,
+    numel)`` per part), padded to a multiple of 8 bytes: the parts are written in place.
 
     Example::
 
         >>> data, (scale, codes) = packed_parts(None, "cpu", (torch.float32, 1),
         ...                                     (torch.int8, 3))
-        >>> tuple(data.shape), scale.dtype, codes.dtype
-        ((8,), torch.float32, torch.int8)
+        >>> scale.fill_(1.5); codes.fill_(7)  # doctest: +ELLIPSIS
+        tensor(...
+        >>> tuple(data.shape), [p.tolist() for p in unpack(data, (torch.float32, 1),
+        ...                                                (torch.int8, 3))]
+        ((8,), [[1.5], [7, 7, 7]])
     """
     size = sum(numel * torch.empty(0, dtype=dtype).element_size() for dtype, numel in layout)
     data = take(workspace, "payload", padded(size), torch.uint8, device)
@@ -174,15 +172,8 @@ def padded(nbytes: int) -> int:
 
 
 def unpack(data: torch.Tensor, *layout: tuple[torch.dtype, int]) -> list[torch.Tensor]:
-    """The tensors :func:`pack` joined: ``layout`` is ``(dtype, numel)`` per part.
-
-    Example::
-
-        >>> parts = unpack(pack(torch.tensor([1.5]), torch.tensor([7], dtype=torch.int8)),
-        ...                (torch.float32, 1), (torch.int8, 1))
-        >>> [p.tolist() for p in parts]
-        [[1.5], [7]]
-    """
+    """Views of the parts of a :func:`packed_parts` payload (a gathered rank's too):
+    ``layout`` is ``(dtype, numel)`` per part."""
     out, start = [], 0
     for dtype, numel in layout:
         size = numel * torch.empty(0, dtype=dtype).element_size()

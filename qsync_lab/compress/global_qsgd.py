@@ -27,7 +27,6 @@ from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, glob
 __all__ = ["encode", "levels", "pair16", "reduce", "unpair16", "wire"]
 
 
-
 def levels(spec, world: int) -> int:
     """Levels per rank on each side of zero: ``(2**(bits-1) - 1) // world``.
 

@@ -263,3 +263,25 @@ def test_qsgd_zero_and_nan():
         qsgd_encode(torch.tensor([1.0, float("nan")]), 8)
     with pytest.raises(QSyncError, match="levels"):
         qsgd_encode(torch.ones(3), 0)
+
+
+@pytest.mark.parametrize("special", [float("inf"), float("-inf"), float("nan"), -float("nan"),
+                                     3.4028234663852886e38,
+                                     -3.4028234663852886e38])
+def test_cgx_marks_exactly_the_groups_holding_nan_or_inf(special):
+    """The finite check read from each group's min/max keys: only the group holding +-Inf or
+    a NaN of either sign gets a non-finite meta, float32's largest values stay finite, on
+    the CPU kernel as in the reference; the default check raises for a non-finite value
+    only."""
+    x = _g(64 * 5)
+    x[2 * 64 + 17] = special
+    finite = bool(np.isfinite(np.float32(special)))
+    for backend in ("cpu", "reference"):
+        meta = cgx_encode(x, 4, 64, check_finite=False, backend=backend).meta
+        marked = (~torch.isfinite(meta).all(1)).tolist()
+        assert marked == [False, False, not finite, False, False], backend
+        if finite:
+            cgx_encode(x, 4, 64, backend=backend)
+        else:
+            with pytest.raises(QSyncError, match="NaN or Inf"):
+                cgx_encode(x, 4, 64, backend=backend)
