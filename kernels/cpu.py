@@ -141,6 +141,7 @@ rng_bits = njit(rng.rng_bits)
 
 _MIN_CHUNK = 1 << 15
 _UNIT24 = np.float32(2.0**-24)
+_UNIT16 = np.float32(2.0**-16)
 VEC_INNER = 256  # rows shorter than this use a period vector of scales
 VEC_MIN = 1024  # a period vector is tiled to at least this many elements
 VEC_PERIOD_MAX = 1 << 20  # largest period materialised (when inner > 1)
@@ -188,6 +189,14 @@ def _uniform(key, lo, hi):
     the run's constant high word, and the index stays in 32-bit lanes too.
     """
     return np.float32(np.int32(_hash32(key, lo, hi) >> np.uint32(8))) * _UNIT24
+
+
+@njit
+def _pair_uniforms(h):
+    """The two uniform float32 numbers in [0, 1) of a pair hash: ``(low 16 bits, high 16 bits)
+    * 2**-16`` (see ``rng.py``)."""
+    return (np.float32(np.int32(h & np.uint32(0xFFFF))) * _UNIT16,
+            np.float32(np.int32(h >> np.uint32(16))) * _UNIT16)
 
 
 def _at(v, t):
@@ -775,11 +784,19 @@ def _cgx_group_meta(group, levels, meta):
 
 
 @njit(error_model="numpy")
-def _cgx_code(x, lo, inv, levels, stochastic, key, j, jhi):
-    """One CGX code in float32: ``floor((x - lo)·inv + r)`` clamped to [0, levels]."""
-    r = _uniform(key, np.uint32(j), jhi) if stochastic else np.float32(0.5)
-    v = np.floor((x - lo) * inv + r)
-    return np.uint64(min(max(v, np.float32(0)), np.float32(levels)))
+def _cgx_code(x, lo, inv, levels, stochastic, key, j):
+    """One CGX code: ``floor((x - lo)·inv + r)`` clamped to [0, levels] (float32)."""
+    r = np.float32(0.5)
+    if stochastic:
+        pair = j >> 1
+        r = _pair_uniforms(_hash32(key, np.uint32(pair >> 32), np.uint32(pair & _U32)))[j & 1]
+    return np.uint64(_cgx_clamp(np.floor((x - lo) * inv + r), levels))
+
+
+@njit
+def _cgx_clamp(v, levels):
+    """A code ``v`` (float32) clamped to [0, levels] (still a float32)."""
+    return min(max(v, np.float32(0)), np.float32(levels))
 
 
 @njit
@@ -793,9 +810,10 @@ def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck)
     """Quantize groups to b bits and pack 8 codes into b bytes, little-endian (first scanning
     each group for its min and max when ``with_meta``: one read of ``x``).
 
-    Groups of a multiple of 8 elements run in ``nck`` parallel chunks of whole groups, each
-    with one scratch buffer: a group's codes (float32 arithmetic, a vectorised loop) go to
-    it, then 8 at a time into one 64-bit word whose ``bits`` low bytes are stored. Other
+    Groups of a multiple of 8 elements run in ``nck`` parallel chunks of whole groups. A
+    group's codes (float32 arithmetic, a vectorised loop over pairs) go straight into the
+    payload for 4 bits (two a byte) and 8 bits; for other widths into a scratch buffer per
+    chunk, then 8 at a time into one 64-bit word whose ``bits`` low bytes are stored. Other
     group sizes are coded block by block.
     """
     n = x.size
@@ -808,13 +826,13 @@ def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck)
                 if j < n:
                     g = j // bucket
                     acc |= _cgx_code(x[j], meta[g, 0], _cgx_inverse(meta[g, 1]), levels,
-                                     stochastic, key, j, np.uint32(j >> 32)) << np.uint64(t * bits)
+                                     stochastic, key, j) << np.uint64(t * bits)
             for t in range(bits):
                 payload[blk * bits + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(0xFF))
         return
     groups = meta.shape[0]
     for k in prange(nck):
-        codes = np.empty(bucket, dtype=np.uint8)  # a group's codes, then packed
+        codes = np.empty(0 if bits == 4 or bits == 8 else bucket, dtype=np.uint8)  # to pack
         first, stop = _bounds(groups, nck, k)
         for g in range(first, stop):
             start = g * bucket
@@ -822,10 +840,15 @@ def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck)
             group = x[start:start + size]
             if with_meta:
                 _cgx_group_meta(group, levels, meta[g])
-            _cgx_group_codes(group, meta[g, 0], _cgx_inverse(meta[g, 1]), levels, stochastic,
-                             key, start, codes)
-            codes[size:] = 0
-            _cgx_pack(codes, bits, payload[start // 8 * bits:(start + bucket) // 8 * bits])
+            lo, inv = meta[g, 0], _cgx_inverse(meta[g, 1])
+            block = payload[start // 8 * bits:(start + bucket) // 8 * bits]
+            if bits == 4 or bits == 8:  # the codes go straight into the payload
+                _cgx_group_codes(group, lo, inv, levels, stochastic, key, start, block, bits == 4)
+                block[(size * bits + 7) // 8:] = 0
+            else:
+                _cgx_group_codes(group, lo, inv, levels, stochastic, key, start, codes, False)
+                codes[size:] = 0
+                _cgx_pack(codes, bits, block)
 
 
 def _group_chunks(groups, n):
@@ -872,41 +895,51 @@ def _ordered_float(key):
 
 
 @njit(error_model="numpy")
-def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, codes):
-    """The codes of one group (``start``: its first element's index) into ``codes``; the
-    loop is split where the index crosses a multiple of 2**32 (the RNG's high word)."""
-    jhi = start >> 32
-    split = min(x.size, ((jhi + 1) << 32) - start)
-    _cgx_run(x[:split], lo, inv, levels, stochastic, key, start, np.uint32(jhi), codes[:split])
-    _cgx_run(x[split:], lo, inv, levels, stochastic, key, start + split,
-             np.uint32(jhi + 1), codes[split:])
+def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, out, two_per_byte):
+    """The codes of one group (``start``: its first element's index, even) into ``out``, one
+    per byte or two (``two_per_byte``: the first in the low 4 bits). The loop is split where
+    the index crosses a multiple of 2**33, the pair index's high word (see ``rng.py``)."""
+    split = min(x.size, (((start >> 33) + 1) << 33) - start)
+    _cgx_run(x[:split], lo, inv, levels, stochastic, key, start, out, two_per_byte)
+    at = split // 2 if two_per_byte else split
+    _cgx_run(x[split:], lo, inv, levels, stochastic, key, start + split, out[at:], two_per_byte)
 
 
 @njit(error_model="numpy")
-def _cgx_run(x, lo, inv, levels, stochastic, key, j0, jhi, codes):
-    top = np.float32(levels)
-    if stochastic:
-        first = np.uint32(j0 & 0xFFFFFFFF)  # the index stays in 32-bit lanes (no wrap here)
-        for t in range(x.size):
-            v = np.floor((x[t] - lo) * inv + _uniform(key, first + np.uint32(t), jhi))
-            codes[t] = np.uint8(min(max(v, np.float32(0)), top))
+def _cgx_run(x, lo, inv, levels, stochastic, key, j0, out, two_per_byte):
+    """Codes of elements ``j0..`` (``j0`` even, no multiple of 2**33 crossed): one pair hash
+    per two codes, the pair index's high word mixed in once for the run."""
+    mixed_high = _mix32(np.uint32(np.uint32(key & _U32) ^ np.uint32(j0 >> 33)))
+    first = np.uint32((j0 >> 1) & 0xFFFFFFFF)
+    pairs = x.size // 2
+    if two_per_byte:
+        for p in range(pairs):
+            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, mixed_high, first)
+            out[p] = np.uint8(np.int32(c0 + np.float32(16) * c1))  # one conversion a byte
     else:
-        for t in range(x.size):
-            v = np.floor((x[t] - lo) * inv + np.float32(0.5))
-            codes[t] = np.uint8(min(max(v, np.float32(0)), top))
+        for p in range(pairs):
+            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, mixed_high, first)
+            out[2 * p] = np.uint8(c0)
+            out[2 * p + 1] = np.uint8(c1)
+    if x.size % 2:
+        c = np.uint8(_cgx_code(x[-1], lo, inv, levels, stochastic, key, j0 + x.size - 1))
+        out[pairs if two_per_byte else x.size - 1] = c
+
+
+@njit(error_model="numpy")
+def _cgx_pair(x, p, lo, inv, levels, stochastic, mixed_high, first):
+    """The codes of ``x[2p]`` and ``x[2p + 1]`` as float32 (``first + p``: the pair's low
+    word)."""
+    u0, u1 = (_pair_uniforms(_mix32(np.uint32(mixed_high ^ (first + np.uint32(p)))))
+              if stochastic else (np.float32(0.5), np.float32(0.5)))
+    return (_cgx_clamp(np.floor((x[2 * p] - lo) * inv + u0), levels),
+            _cgx_clamp(np.floor((x[2 * p + 1] - lo) * inv + u1), levels))
 
 
 @njit
 def _cgx_pack(codes, bits, payload):
-    """Pack ``codes`` (a multiple of 8) 8 to ``bits`` bytes, little-endian (for 4 and 8
-    bits, byte by byte: those loops vectorise)."""
-    if bits == 8:
-        payload[:codes.size] = codes[:payload.size]
-        return
-    if bits == 4:
-        for i in range(min(codes.size // 2, payload.size)):
-            payload[i] = codes[2 * i] | (codes[2 * i + 1] << np.uint8(4))
-        return
+    """Pack ``codes`` (a multiple of 8) 8 to ``bits`` bytes, little-endian (the 4- and 8-bit
+    codes are written packed by :func:`_cgx_run`)."""
     for blk in range(min(codes.size // 8, payload.size // bits)):
         acc = np.uint64(0)
         for t in range(8):

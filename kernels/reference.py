@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from . import floatfmt
-from .rng import GOLDEN, MASK32, MUL_A, MUL_B
+from .rng import GOLDEN, MASK32, MUL_A, MUL_B, pair_index
 
 # ---------------------------------------------------------------- random numbers
 
@@ -37,6 +37,15 @@ def rng_bits(key, index):
         h = (h * (MUL_B & 0xFFFF) + (((h * (MUL_B >> 16)) & 0xFFFF) << 16)) & MASK32
         h ^= h >> 16
     return h
+
+
+def pair_uniform16(seed, n):
+    """CGX's uniform float32 numbers of element indices ``0..n-1``: 16 bits each, two per
+    hash of the pair (``rng.pair_index``), the low half for the even element."""
+    idx = np.arange(n, dtype=np.int64)
+    h = rng_bits(rng_key(seed), pair_index(idx))
+    return (((h >> (16 * (idx & 1))) & 0xFFFF).astype(np.float32)
+            * np.float32(2.0**-16)).astype(np.float32)
 
 
 def rng_key(seed):
@@ -304,7 +313,8 @@ def cgx_codes(x, meta, bucket_size, bits, stochastic=True, seed=0):
     """CGX codes ``clip(floor((x - min)·inv + r), 0, 2**b - 1)``, all in float32, with
     ``inv = float32(1 / unit)`` (0 for a constant group).
 
-    ``r`` is uniform (stochastic) or 0.5 (nearest, CGX's deterministic build).
+    ``r`` is uniform with 16 random bits (stochastic, :func:`pair_uniform16`) or 0.5
+    (nearest, CGX's deterministic build).
     """
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     g = np.arange(x.size) // bucket_size
@@ -313,8 +323,7 @@ def cgx_codes(x, meta, bucket_size, bits, stochastic=True, seed=0):
     inv = np.where(unit > 0, np.float32(1) / np.where(unit > 0, unit, np.float32(1)),
                    np.float32(0)).astype(np.float32)
     if stochastic:
-        u = (rng_bits(rng_key(seed), np.arange(x.size, dtype=np.int64)) >> 8).astype(
-            np.float32) * np.float32(2.0**-24)
+        u = pair_uniform16(seed, x.size)
     else:
         u = np.float32(0.5)
     v = np.floor((x - mn) * inv + u)

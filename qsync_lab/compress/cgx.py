@@ -1,7 +1,8 @@
 """CGX: max-min quantization of groups of values to 1-8 bits, bit-packed, all-gathered.
 
 Per group of ``group_size`` consecutive values: ``unit = (max - min) / (2**bits - 1)`` and
-codes ``floor((x - min) / unit + r)``, ``r`` uniform (``stochastic``: unbiased) or 0.5
+codes ``floor((x - min) / unit + r)``, ``r`` uniform (``stochastic``: unbiased to within
+2**-16 of a unit, the resolution of its 16 random bits) or 0.5
 (``nearest``: biased, error feedback recommended), packed 8 codes to ``bits`` bytes
 (``qsync_lab.kernels.cgx_encode``). Each rank's packed codes and (min, unit) pairs are
 all-gathered as one byte tensor and every rank decodes and averages them: one quantization
