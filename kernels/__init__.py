@@ -41,7 +41,7 @@ Conventions:
 """
 
 from .aps import APS_ZERO_EXPONENT, aps_dequantize, aps_exponent, aps_quantize, aps_shift
-from .cgx import CGXPacked, cgx_decode, cgx_encode
+from .cgx import CGXPacked, cgx_decode, cgx_decode_mean, cgx_encode
 from .floats import FloatCodes, float_decode, float_encode, float_quantize, float_round
 from .global_qsgd import global_qsgd_decode, global_qsgd_encode
 from .int8 import FakeQuantResult, Int8Tensor, dequantize_int8, fake_quantize_int8, quantize_int8
@@ -63,6 +63,7 @@ __all__ = [
     "aps_quantize",
     "aps_shift",
     "cgx_decode",
+    "cgx_decode_mean",
     "cgx_encode",
     "dequantize_int8",
     "fake_quantize_int8",

@@ -127,3 +127,45 @@ def cgx_decode(packed, *, out=None, backend="auto"):
                                 packed.bucket_size, packed.bits, out is not None,
                                 _arr(target).reshape(-1))
     return out if out is not None else target.reshape(packed.shape).to(packed.dtype)
+
+
+def cgx_decode_mean(packs, *, out=None, backend="auto"):
+    """The mean of several CGX payloads' values (the ranks' payloads of one bucket: the same
+    shape, bits and bucket size), ``((0 + v_0) + v_1 + ...) / len(packs)`` in float32, the
+    sum and rounding of :func:`cgx_decode` with ``out`` applied to each in turn. On the CPU
+    in one pass over the result: each group's values of every payload are added while that
+    part of the result is in cache. ``out``: a contiguous float32 tensor of the packs'
+    shape to write (else a new tensor of their dtype is returned).
+
+    Example::
+
+        >>> import torch
+        >>> from qsync_lab.kernels import cgx_decode_mean, cgx_encode
+        >>> packs = [cgx_encode(torch.tensor([0.0, 3.0]), 2, rounding="nearest"),
+        ...          cgx_encode(torch.tensor([2.0, 5.0]), 2, rounding="nearest")]
+        >>> cgx_decode_mean(packs).tolist()
+        [1.0, 4.0]
+    """
+    packs = list(packs)
+    if not packs or not all(isinstance(p, CGXPacked) for p in packs):
+        raise QSyncError("cgx_decode_mean takes a non-empty list of the CGXPacked returned "
+                         "by cgx_encode")
+    first = packs[0]
+    layout = (first.shape, first.bits, first.bucket_size)
+    if any((p.shape, p.bits, p.bucket_size) != layout for p in packs):
+        raise QSyncError("cgx_decode_mean: every payload must have the same shape, bits and "
+                         f"bucket size, got {[(p.shape, p.bits, p.bucket_size) for p in packs]}")
+    device = first.payload.device
+    be = _backend(first.payload, backend)
+    n = math.prod(first.shape)
+    target = _out(out, first.shape, torch.float32, device)
+    if be != "cpu":  # one decode per payload added to the sum
+        target.zero_()
+        for p in packs:
+            cgx_decode(p, out=target, backend=be)
+        target.div_(len(packs))
+    elif n:
+        _kernels(be).cgx_decode_mean([_arr(p.payload.contiguous()) for p in packs],
+                                     [_arr(p.meta).reshape(-1, 2) for p in packs],
+                                     first.bucket_size, first.bits, _arr(target))
+    return target if out is not None else target.to(first.dtype)

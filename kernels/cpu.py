@@ -789,7 +789,7 @@ def _cgx_code(x, lo, inv, levels, stochastic, key, j):
     r = np.float32(0.5)
     if stochastic:
         pair = j >> 1
-        r = _pair_uniforms(_hash32(key, np.uint32(pair >> 32), np.uint32(pair & _U32)))[j & 1]
+        r = _pair_uniforms(_hash32(key, np.uint32(pair & _U32), np.uint32(pair >> 32)))[j & 1]
     return np.uint64(_cgx_clamp(np.floor((x - lo) * inv + r), levels))
 
 
@@ -898,7 +898,8 @@ def _ordered_float(key):
 def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, out, two_per_byte):
     """The codes of one group (``start``: its first element's index, even) into ``out``, one
     per byte or two (``two_per_byte``: the first in the low 4 bits). The loop is split where
-    the index crosses a multiple of 2**33, the pair index's high word (see ``rng.py``)."""
+    the index crosses a multiple of 2**33, where the pair index's high word changes (the
+    hash takes it per run, see ``rng.py``)."""
     split = min(x.size, (((start >> 33) + 1) << 33) - start)
     _cgx_run(x[:split], lo, inv, levels, stochastic, key, start, out, two_per_byte)
     at = split // 2 if two_per_byte else split
@@ -907,18 +908,18 @@ def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, out, two_per_by
 
 @njit(error_model="numpy")
 def _cgx_run(x, lo, inv, levels, stochastic, key, j0, out, two_per_byte):
-    """Codes of elements ``j0..`` (``j0`` even, no multiple of 2**33 crossed): one pair hash
-    per two codes, the pair index's high word mixed in once for the run."""
-    mixed_high = _mix32(np.uint32(np.uint32(key & _U32) ^ np.uint32(j0 >> 33)))
+    """Codes of elements ``j0..`` (``j0`` even, no multiple of 2**33 crossed): one hash of
+    the pair index per two codes, its words in 32-bit lanes."""
+    high = np.uint32(j0 >> 33)
     first = np.uint32((j0 >> 1) & 0xFFFFFFFF)
     pairs = x.size // 2
     if two_per_byte:
         for p in range(pairs):
-            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, mixed_high, first)
+            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, key, first, high)
             out[p] = np.uint8(np.int32(c0 + np.float32(16) * c1))  # one conversion a byte
     else:
         for p in range(pairs):
-            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, mixed_high, first)
+            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, key, first, high)
             out[2 * p] = np.uint8(c0)
             out[2 * p + 1] = np.uint8(c1)
     if x.size % 2:
@@ -927,10 +928,10 @@ def _cgx_run(x, lo, inv, levels, stochastic, key, j0, out, two_per_byte):
 
 
 @njit(error_model="numpy")
-def _cgx_pair(x, p, lo, inv, levels, stochastic, mixed_high, first):
-    """The codes of ``x[2p]`` and ``x[2p + 1]`` as float32 (``first + p``: the pair's low
-    word)."""
-    u0, u1 = (_pair_uniforms(_mix32(np.uint32(mixed_high ^ (first + np.uint32(p)))))
+def _cgx_pair(x, p, lo, inv, levels, stochastic, key, first, high):
+    """The codes of ``x[2p]`` and ``x[2p + 1]`` as float32 (``first + p``: the pair index's
+    low word)."""
+    u0, u1 = (_pair_uniforms(_hash32(key, first + np.uint32(p), high))
               if stochastic else (np.float32(0.5), np.float32(0.5)))
     return (_cgx_clamp(np.floor((x[2 * p] - lo) * inv + u0), levels),
             _cgx_clamp(np.floor((x[2 * p + 1] - lo) * inv + u1), levels))
@@ -984,6 +985,43 @@ def cgx_decode(payload, meta, bucket, bits, accumulate, out):
     added to it (``accumulate``: a sum of several ranks' payloads in one pass each)."""
     _cgx_decode(payload, meta, bucket, bits, accumulate, out,
                 _group_chunks(meta.shape[0], out.size))
+
+
+def cgx_decode_mean(payloads, metas, bucket, bits, out):
+    """The mean of several payloads' values, ``((0 + v_0) + v_1 + ...) / count`` (float32),
+    into ``out``: group by group, every payload's values are added while the group's part
+    of ``out`` is in cache (one write of ``out`` in all, where a decode per payload reads
+    and writes it each time)."""
+    if bucket % 8:
+        out[:] = 0
+        for payload, meta in zip(payloads, metas):
+            cgx_decode(payload, meta, bucket, bits, True, out)
+        out /= np.float32(len(payloads))
+        return
+    _cgx_decode_mean(tuple(payloads), tuple(metas), bucket, bits, out,
+                     _group_chunks(metas[0].shape[0], out.size))
+
+
+@_jit(parallel=True, error_model="numpy")
+def _cgx_decode_mean(payloads, metas, bucket, bits, out, nck):
+    n = out.size
+    count = np.float32(len(payloads))
+    groups = metas[0].shape[0]
+    for k in prange(nck):
+        codes = np.empty(bucket, dtype=np.uint8)
+        first, stop = _bounds(groups, nck, k)
+        for g in range(first, stop):
+            start = g * bucket
+            part = out[start:min(n, start + bucket)]
+            part[:] = 0
+            for r in range(len(payloads)):
+                _cgx_unpack(payloads[r][start // 8 * bits:(start + bucket) // 8 * bits], bits,
+                            codes)
+                lo, unit = metas[r][g, 0], metas[r][g, 1]
+                for t in range(part.size):
+                    part[t] += lo + unit * np.float32(codes[t])
+            for t in range(part.size):
+                part[t] /= count
 
 
 @njit

@@ -24,7 +24,6 @@ ff_round = _ff.round_bits
 ff_cast_value = _ff.cast_value
 exp_dither_code = _ff.exp_dither_code
 rng_bits = _device(rng.rng_bits)
-pair_index = _device(rng.pair_index)
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 TPB = 32 if SIMULATED else 256  # threads per block (a power of two)
@@ -250,7 +249,7 @@ def _cgx_encode_kernel(x, meta, bucket, bits, stochastic, key, payload):
                 inv = np.float32(1) / unit if unit > 0 else np.float32(0)
                 r = np.float32(0.5)
                 if stochastic:
-                    h = rng_bits(key, pair_index(j)) >> (16 * (j & 1))
+                    h = rng_bits(key, j >> 1) >> (16 * (j & 1))
                     r = np.float32(h & 0xFFFF) * np.float32(2.0**-16)
                 v = (x[j] - meta[g, 0]) * inv + r
                 v = v if v >= 0 else np.float32(0)  # NaN (a marked group) too

@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from . import floatfmt
-from .rng import GOLDEN, MASK32, MUL_A, MUL_B, pair_index
+from .rng import GOLDEN, MASK32, MUL_A, MUL_B
 
 # ---------------------------------------------------------------- random numbers
 
@@ -41,9 +41,9 @@ def rng_bits(key, index):
 
 def pair_uniform16(seed, n):
     """CGX's uniform float32 numbers of element indices ``0..n-1``: 16 bits each, two per
-    hash of the pair (``rng.pair_index``), the low half for the even element."""
+    hash of the pair index ``i // 2``, the low half for the even element."""
     idx = np.arange(n, dtype=np.int64)
-    h = rng_bits(rng_key(seed), pair_index(idx))
+    h = rng_bits(rng_key(seed), idx >> 1)
     return (((h >> (16 * (idx & 1))) & 0xFFFF).astype(np.float32)
             * np.float32(2.0**-16)).astype(np.float32)
 

@@ -15,11 +15,8 @@ float32). ``cpu.py`` and ``cuda.py`` compile these very functions; ``reference.p
 vectorised NumPy twin that a test checks against them.
 
 CGX's stochastic rounding takes 16 random bits per element, from one hash per pair of
-elements: element ``i`` gets half ``i % 2`` (low half first) of
-``rng_bits(key, pair_index(i))``, a uniform number ``half * 2**-16``. ``pair_index`` swaps
-the two words of ``i // 2`` so that its high word, constant over 2**32 consecutive pairs, is
-mixed in first: a loop over a run of pairs mixes it once and then one round per pair (a
-quarter of the mixing of one hash per element).
+elements: element ``i`` gets half ``i % 2`` (low half first) of ``rng_bits(key, i // 2)``,
+a uniform number ``half * 2**-16`` (half the hashing of one hash per element).
 """
 
 MASK32 = 0xFFFFFFFF
@@ -39,16 +36,6 @@ def rng_bits(key, index):
         h = ((h * (MUL_B & 0xFFFF)) + (((h * (MUL_B >> 16)) & 0xFFFF) << 16)) & MASK32
         h = h ^ (h >> 16)
     return h
-
-
-def pair_index(index):
-    """The hash index of element ``index``'s pair: the 32-bit words of ``index // 2`` swapped.
-
-    The result may reach 2**64 - 1; in int64 it wraps to a negative number whose words
-    ``rng_bits`` reads all the same (an arithmetic shift, then a 32-bit mask).
-    """
-    pair = index >> 1
-    return ((pair & MASK32) << 32) | ((pair >> 32) & MASK32)
 
 
 def rng_key(seed):

@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_sum_target, into,
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_target, into,
                                      packed_parts, padded, take, unpack)
-from qsync_lab.kernels import cgx_decode, cgx_encode
+from qsync_lab.kernels import cgx_decode, cgx_decode_mean, cgx_encode
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -43,11 +43,11 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
         data, out=take(workspace, "gathered", comm.world * data.numel(), data.dtype, data.device))]
     for meta, _ in gathered:
         check_finite(meta, "a cgx bucket")
-    total = float_sum_target(out, math.prod(template.shape), workspace)
-    for meta, payload in gathered:  # each rank's values added to the sum in one pass
-        cgx_decode(template._replace(meta=meta.reshape(-1, 2), shape=tuple(total.shape),
-                                     payload=payload.reshape(-1, spec.bits)), out=total)
-    total.div_(comm.world)
+    total = float_target(out, math.prod(template.shape), workspace)
+    # every rank's values summed group by group in one pass over the mean
+    cgx_decode_mean([template._replace(meta=meta.reshape(-1, 2), shape=tuple(total.shape),
+                                       payload=payload.reshape(-1, spec.bits))
+                     for meta, payload in gathered], out=total)
     return total if total is out else into(out, total)
 
 

@@ -29,7 +29,8 @@ import torch
 from qsync_lab.errors import QSyncError
 
 __all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "Workspace", "check_finite",
-           "float_sum_target", "into", "packed_parts", "padded", "take", "unpack"]
+           "float_sum_target", "float_target", "into", "packed_parts", "padded", "take",
+           "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
@@ -136,13 +137,18 @@ def into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
 
 def float_sum_target(out: torch.Tensor | None, numel: int,
                      workspace: Workspace | None = None) -> torch.Tensor:
-    """A zeroed float32 tensor to add the ranks' values into: ``out`` itself when it is a
-    contiguous float32 tensor, else a workspace buffer or a new one (then copied by
-    :func:`into`)."""
+    """A zeroed :func:`float_target` to add the ranks' values into."""
+    return float_target(out, numel, workspace).zero_()
+
+
+def float_target(out: torch.Tensor | None, numel: int,
+                 workspace: Workspace | None = None) -> torch.Tensor:
+    """A float32 tensor for the ranks' mean: ``out`` itself when it is a contiguous float32
+    tensor, else a workspace buffer or a new one (then copied by :func:`into`)."""
     if out is not None and out.dtype == torch.float32 and out.is_contiguous():
-        return out.zero_()
+        return out
     device = out.device if out is not None else "cpu"
-    return take(workspace, "sum", numel, torch.float32, device).zero_()
+    return take(workspace, "sum", numel, torch.float32, device)
 
 
 def packed_parts(workspace: Workspace | None, device, *layout: tuple[torch.dtype, int]):

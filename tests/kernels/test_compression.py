@@ -14,6 +14,7 @@ from qsync_lab.kernels import (
     aps_quantize,
     aps_shift,
     cgx_decode,
+    cgx_decode_mean,
     cgx_encode,
     float_round,
     global_qsgd_decode,
@@ -202,6 +203,32 @@ def test_cgx_decode_accumulates_into_out(bucket):
         assert cgx_decode(p, out=total) is total
     want = 0.25 + sum(cgx_decode(p, backend="reference").double() for p in parts)
     torch.testing.assert_close(total.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("bucket,ranks", [(24, 3), (50, 2), (512, 4), (8, 1)])
+def test_cgx_decode_mean_sums_in_rank_order_then_divides(backend, bucket, ranks):
+    parts = [cgx_encode(_g(1203, seed=s), 4, bucket, seed=s) for s in range(ranks)]
+    exact = torch.zeros(1203)  # the same float32 arithmetic, one decode per payload
+    for p in parts:
+        cgx_decode(p, out=exact, backend="reference")
+    exact.div_(ranks)
+    out = torch.full((1203,), float("nan"))
+    assert cgx_decode_mean(parts, out=out, backend=backend) is out
+    assert torch.equal(out, exact)
+    mean = sum(cgx_decode(p, backend="reference").double() for p in parts) / ranks
+    torch.testing.assert_close(cgx_decode_mean(parts, backend=backend).double(), mean,
+                               rtol=0, atol=1e-6)
+
+
+def test_cgx_decode_mean_refuses_mixed_payloads_and_bad_out():
+    a, b = cgx_encode(_g(64), 4, 32), cgx_encode(_g(64), 3, 32)
+    with pytest.raises(QSyncError, match="same shape, bits and bucket size"):
+        cgx_decode_mean([a, b])
+    with pytest.raises(QSyncError, match="non-empty list"):
+        cgx_decode_mean([])
+    with pytest.raises(QSyncError, match="contiguous torch.float32 tensor of shape"):
+        cgx_decode_mean([a], out=torch.zeros(63))
 
 
 def test_cgx_stochastic_unbiased_and_bounded():

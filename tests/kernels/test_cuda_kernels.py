@@ -128,6 +128,13 @@ def test_cgx(bits, dev):
     assert torch.equal(K.cgx_decode(a, backend="cuda").cpu(), K.cgx_decode(b, backend="reference"))
 
 
+def test_cgx_decode_mean(dev):
+    parts = [K.cgx_encode(_x(203, dev=dev) * s, 4, 50, seed=s, backend="cuda") for s in (1, 2, 3)]
+    want = K.cgx_decode_mean([p._replace(payload=p.payload.cpu(), meta=p.meta.cpu())
+                              for p in parts], backend="reference")
+    assert torch.equal(K.cgx_decode_mean(parts, backend="cuda").cpu(), want)
+
+
 def test_cgx_marks_non_finite_groups(dev):
     x = _x(150, dev=dev)
     x[60] = float("nan")
