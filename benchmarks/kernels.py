@@ -164,6 +164,9 @@ def _routines(x):
         ("CGX 4-bit decode", cgx_bytes, lambda: K.cgx_decode(packed), None, None),
         ("CGX 4-bit decode, add to a sum", cgx_bytes + 4, None,
          lambda: K.cgx_decode(packed, out=o32), None),
+        ("CGX 4-bit mean of 2 payloads", round(2 * (cgx_bytes - 4) + 4, 2),
+         lambda: K.cgx_decode_mean([packed, packed]),
+         lambda: K.cgx_decode_mean([packed, packed], out=o32), None),
         ("fp8 e5m2 decode (APS, gathered)", 5, lambda: K.float_decode(e5), None, e5.float),
     ]
 
