@@ -17,6 +17,7 @@ Example::
 import functools
 import hashlib
 import keyword
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ from qsync_lab.graph.records import OpRecord
 from qsync_lab.modelstate import preserved_state
 
 _LOSS_ATTR = "loss"
+#: torch.fx patches ``nn.Module.__call__`` for the whole process while it traces, and the
+#: hook tracer hooks every module: traces from several threads (two runs started side by
+#: side in a notebook) would record each other's modules, so they run one at a time
+_TRACE_LOCK = threading.Lock()
 _MODEL_ATTR = "model"
 
 
@@ -155,7 +160,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
     if loss_fn is not None or keywords or splits(model):  # fx traces a root's forward as is
         root = _with_loss(model, loss_fn, len(inputs), keywords=keywords)
         inputs = (*inputs, target) if loss_fn is not None else inputs
-    with preserved_state(model), torch.no_grad():
+    with _TRACE_LOCK, preserved_state(model), torch.no_grad():
         records, traced_with = _trace(root, inputs, method)
     if root is not model:
         records = [_strip_wrapper(rec, model) for rec in records]

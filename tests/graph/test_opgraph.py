@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -190,3 +192,27 @@ def test_single_module_model_with_loss_is_named_after_its_class():
     g = trace_graph(nn.Linear(4, 2), torch.randn(3, 4), target=torch.tensor([0, 1, 1]),
                     loss_fn=nn.CrossEntropyLoss())
     assert list(g.ops.index) == ["linear", "loss"]
+
+
+def test_traces_from_several_threads_do_not_mix():
+    # torch.fx patches nn.Module.__call__ process-wide while it traces: two runs started
+    # side by side from a notebook's threads traced each other's modules
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qsync_lab.models import example_batch, get_model, model_spec
+
+    def trace(name):
+        inputs, target = example_batch(name, 2)
+        return trace_graph(get_model(name), inputs, target=target,
+                           loss_fn=model_spec(name).loss_fn())
+
+    names = ["digits_cnn", "digits_mlp"] * 6
+    want = {name: len(trace(name).ops) for name in set(names)}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often, as under load
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            graphs = list(pool.map(trace, names))
+    finally:
+        sys.setswitchinterval(interval)
+    assert [len(g.ops) for g in graphs] == [want[name] for name in names]
