@@ -45,10 +45,10 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
     Per bucket of ``bucket_size`` consecutive elements: ``unit = (max - min)/(2**b - 1)``
     (float32 metadata), codes ``floor((x - min)·inv + r)`` clamped to [0, 2**b - 1] in
     float32 arithmetic, ``inv = 1/unit`` and ``r`` uniform ("stochastic": 16 random bits per
-    element, unbiased to within 2**-16 of a unit) or 0.5 ("nearest"). Codes are packed little-endian, 8 codes per ``bits`` bytes. NaN or Inf
-    in ``x`` raises QSyncError (found by the same read of ``x``); with
-    ``check_finite=False`` such a group's meta is not finite instead (its codes are
-    undefined), for a caller that checks the meta itself. ``out``: optional
+    element, unbiased to within 2**-16 of a unit) or 0.5 ("nearest"). Codes are packed
+    little-endian, 8 codes per ``bits`` bytes. NaN or Inf in ``x`` raises QSyncError (found
+    by the same read of ``x``); with ``check_finite=False`` such a group's meta is not
+    finite instead (its codes are undefined), for a caller that checks the meta itself. ``out``: optional
     ``(payload, meta)``, contiguous uint8 ``(ceil(n/8), bits)`` and float32
     ``(groups, 2)`` tensors on x's device, written instead of new ones (a caller that
     encodes the same size again and again keeps them).
