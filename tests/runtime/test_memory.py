@@ -1,12 +1,16 @@
-"""The CPU peak tensor memory window against hand counts."""
+"""The CPU peak tensor memory window against hand counts, and a run's peak against the
+memory model."""
 
+import json
 import queue
 import threading
 
 import pytest
 import torch
 
+from qsync_lab.models import get_model
 from qsync_lab.runtime.memory import MemoryWindow, _accounting_flag, peak_cpu_bytes
+from tests.runtime.conftest import LAUNCH_TIMEOUT_S, launch, one_rank_plan
 
 MIB = 2**20
 
@@ -77,3 +81,29 @@ def test_a_tensor_of_an_earlier_window_freed_in_this_one_is_not_counted(all_thre
     assert window.close() == 8 * MIB   # was 0: the -32 MiB hid the 8 MiB
     assert peak_cpu_bytes(profiler, all_threads=all_threads) == 8 * MIB
     del x
+
+
+def test_a_runs_peak_counts_its_optimizer(tmp_path):
+    """For SGD, SGD with momentum and AdamW a run's measured peak tensor memory (model build
+    and first steps) is within 10 % of the prediction, and the measured differences between
+    them are the optimizers' fp32 state, as the memory model counts it (+1 and +2 copies of
+    the parameters). Each run is its own process, as under ``qsync-lab run``: the window is
+    the process's first (see :mod:`qsync_lab.runtime.memory` on later windows)."""
+    plan = one_rank_plan(tmp_path, model="bert_mini", task="tokens", vocab_size=2000,
+                          seq_len=32)
+    optimizers = ("sgd", "sgd_momentum", "adamw")
+    jobs = {optimizer: launch(plan, tmp_path / optimizer, "--steps", "3", "--checkpoint-every",
+                              "0", "--optimizer", optimizer, "--lr", "1e-3", nproc=1,
+                              wait=False) for optimizer in optimizers}  # side by side
+    measured = {}
+    for optimizer, job in jobs.items():
+        output, _ = job.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert job.returncode == 0, output[-3000:]
+        summary = json.loads((tmp_path / optimizer / "summary.json").read_text())
+        assert summary["optimizer"] == optimizer
+        assert abs(summary["tensor_peak_error_pct"]) < 10, (optimizer, summary)
+        measured[optimizer] = summary["measured_tensor_peak_mib"]
+    params_mib = 4 * sum(p.numel() for p in get_model("bert_mini", vocab_size=2000,
+                                                      seq_len=32).parameters()) / MIB
+    assert measured["sgd_momentum"] - measured["sgd"] == pytest.approx(params_mib, rel=0.05)
+    assert measured["adamw"] - measured["sgd"] == pytest.approx(2 * params_mib, rel=0.05)
