@@ -92,6 +92,7 @@ def _routines(x):
     packed = K.cgx_encode(x, 4, 512)
     cgx_bytes = round(4 + 4 / 8 + 8 / 512, 2)  # x read once; codes and (min, unit) written
     e5 = K.float_encode(x, "fp8_e5m2")
+    e5_rows = torch.stack([e5, e5])  # two ranks' gathered payloads
     x2, cscale = _per_channel(x)
     zp = torch.zeros(_CHANNELS, dtype=torch.long)
     c8 = torch.empty_like(x2, dtype=torch.int8)
@@ -168,6 +169,8 @@ def _routines(x):
          lambda: K.cgx_decode_mean([packed, packed]),
          lambda: K.cgx_decode_mean([packed, packed], out=o32), None),
         ("fp8 e5m2 decode (APS, gathered)", 5, lambda: K.float_decode(e5), None, e5.float),
+        ("fp8 e5m2 sum of 2 payloads (APS)", 6, lambda: K.float_decode_sum(e5_rows),
+         lambda: K.float_decode_sum(e5_rows, out=o32), lambda: e5_rows.float().sum(0)),
     ]
 
 

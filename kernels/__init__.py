@@ -42,7 +42,8 @@ Conventions:
 
 from .aps import APS_ZERO_EXPONENT, aps_dequantize, aps_exponent, aps_quantize, aps_shift
 from .cgx import CGXPacked, cgx_decode, cgx_decode_mean, cgx_encode
-from .floats import FloatCodes, float_decode, float_encode, float_quantize, float_round
+from .floats import (FloatCodes, float_decode, float_decode_sum, float_encode, float_quantize,
+                     float_round)
 from .global_qsgd import global_qsgd_decode, global_qsgd_encode
 from .int8 import FakeQuantResult, Int8Tensor, dequantize_int8, fake_quantize_int8, quantize_int8
 from .plumbing import BACKENDS
@@ -68,6 +69,7 @@ __all__ = [
     "dequantize_int8",
     "fake_quantize_int8",
     "float_decode",
+    "float_decode_sum",
     "float_encode",
     "float_quantize",
     "float_round",

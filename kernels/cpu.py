@@ -670,6 +670,37 @@ def float_decode(codes, fmt, out):
     _decode_for(tuple(fmt))(codes, out)
 
 
+_SUM_BLOCK = 4096  # floats of a sum kept in L1 while every row is added to them
+
+
+@functools.cache
+def _decode_sum_for(fmt):
+    F = tuple(int(v) for v in fmt)
+
+    @_jit(parallel=True)
+    def kernel(codes, rows, out, nck):
+        n = out.size
+        for k in prange(nck):
+            first, stop = _bounds(n, nck, k)
+            for lo in range(first, stop, _SUM_BLOCK):
+                hi = min(stop, lo + _SUM_BLOCK)
+                for j in range(lo, hi):
+                    out[j] = np.float32(0) + np.uint32(ff_widen(codes[j], F)).view(np.float32)
+                for r in range(1, rows):
+                    at = r * n
+                    for j in range(lo, hi):
+                        out[j] += np.uint32(ff_widen(codes[at + j], F)).view(np.float32)
+
+    return kernel
+
+
+def float_decode_sum(codes, rows, fmt, out):
+    """float32 ``out`` = the sum of ``rows`` rows of ``fmt`` codes (flat, row after row),
+    ``(0 + v_0) + v_1 + ...`` in float32, block by block: each block of ``out`` stays in
+    cache while every row is added to it."""
+    _decode_sum_for(tuple(fmt))(codes, rows, out, _nchunks(out.size))
+
+
 @_jit(parallel=True, error_model="numpy")
 def _float_quantize(x, scales, fmt, codes, values):
     s = scales[0]

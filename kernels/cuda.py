@@ -151,6 +151,16 @@ def _float_decode_kernel(codes, table, out):
 
 
 @cuda.jit
+def _float_decode_sum_kernel(codes, rows, table, out):
+    n = out.size
+    for j in range(cuda.grid(1), n, cuda.gridsize(1)):
+        s = np.float32(0)
+        for r in range(rows):
+            s += table[codes[r * n + j]]
+        out[j] = s
+
+
+@cuda.jit
 def _float_quantize_kernel(x, scales, fmt, codes, values):
     s = scales[0]
     for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
@@ -312,6 +322,10 @@ def float_encode(xb, fmt, out):
 
 def float_decode(codes, table, out):
     _float_decode_kernel[_blocks(codes.size), TPB](codes, table, out)
+
+
+def float_decode_sum(codes, rows, table, out):
+    _float_decode_sum_kernel[_blocks(out.size), TPB](codes, rows, table, out)
 
 
 def float_quantize(x, scales, fmt, codes, values):

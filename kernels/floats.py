@@ -160,6 +160,51 @@ def float_decode(x, *, backend="auto", out=None):
     return out
 
 
+def float_decode_sum(x, *, backend="auto", out=None):
+    """The float32 sum over ``x``'s first axis of its values widened to float32, added in
+    turn: ``((0 + v_0) + v_1) + ...``, as adding each row's :func:`float_decode` to zeros
+    does, bit for bit. For the ranks' payloads of an all-gather: on the CPU one pass over
+    the sum (each block of it stays in cache while every row is added), not one per row.
+
+    Args:
+        x: tensor of one of the four formats, at least 1-D, its rows along the first axis.
+        backend: "auto", "cpu", "cuda" or "reference".
+        out: optional contiguous float32 tensor of shape ``x.shape[1:]`` on x's device.
+
+    Example::
+
+        >>> import torch
+        >>> from qsync_lab.kernels import float_decode_sum
+        >>> x = torch.tensor([[1.5, 2.0], [0.25, -2.0]]).to(torch.float8_e4m3fn)
+        >>> float_decode_sum(x).tolist()
+        [1.75, 0.0]
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in _TORCH_FORMATS or x.dim() < 1:
+        raise QSyncError("x must be a float16, bfloat16, float8_e4m3fn or float8_e5m2 "
+                         "torch.Tensor of at least one dimension (its rows along the first)")
+    be = _backend(x, backend)
+    rows, shape = x.shape[0], tuple(x.shape[1:])
+    if be == "reference":
+        table = _decode_table(x.dtype, torch.device("cpu")).numpy()
+        values = table[_code_array(x.detach().cpu().contiguous())].reshape(rows, -1)
+        total = np.zeros(values.shape[1], dtype=np.float32)
+        for row in values:
+            total += row
+        res = _from_numpy(total, x.device).reshape(shape)
+        return res if out is None else _into(res, _out(out, shape, torch.float32, x.device))
+    out = _out(out, shape, torch.float32, x.device)
+    if rows == 0:
+        return out.zero_()
+    if out.numel():
+        codes = _code_array(x.detach().contiguous())
+        if be == "cpu":
+            _kernels(be).float_decode_sum(codes, rows, _TORCH_FORMATS[x.dtype], _arr(out))
+        else:
+            _kernels(be).float_decode_sum(codes, rows, _arr(_decode_table(x.dtype, x.device)),
+                                          _arr(out))
+    return out
+
+
 class FloatCodes(NamedTuple):
     """Float-format values (a tensor of the format's dtype) and the same values as float32."""
 

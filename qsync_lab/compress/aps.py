@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_sum_target, into,
-                                     take)
-from qsync_lab.kernels import APS_ZERO_EXPONENT, absmax, aps_shift, float_decode, float_quantize
+from qsync_lab.compress.codec import Encoded, Wire, check_finite, float_target, into, take
+from qsync_lab.kernels import (APS_ZERO_EXPONENT, absmax, aps_shift, float_decode_sum,
+                               float_quantize)
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -71,16 +71,15 @@ def _scaled(values: torch.Tensor, context, divisor: float = 1.0) -> torch.Tensor
 
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
-    """The ranks' codes widened and summed in fp32 (the shifts are shared: scaled once)."""
+    """The ranks' codes widened and summed in fp32, in one pass over the sum (the shifts are
+    shared: scaled once)."""
     payload = encoded.payload
-    gathered = comm.all_gather(payload, out=take(workspace, "gathered",
-                                                 comm.world * payload.numel(), payload.dtype,
-                                                 payload.device))
-    total = float_sum_target(out, payload.numel(), workspace)
-    # one buffer for every rank's values
-    widened = take(workspace, "decoded", payload.numel(), torch.float32, payload.device)
-    for codes in gathered:
-        total.add_(float_decode(codes.view(_DTYPES[spec.format]), out=widened))
+    gathered = take(workspace, "gathered", comm.world * payload.numel(), payload.dtype,
+                    payload.device)
+    rows = comm.all_gather(payload, out=gathered)
+    codes = gathered.view(comm.world, -1) if comm.world > 1 else rows[0].view(1, -1)
+    total = float_target(out, payload.numel(), workspace)
+    float_decode_sum(codes.view(_DTYPES[spec.format]), out=total.view(-1))
     _scaled(total, encoded.context, comm.world)
     return total if total is out else into(out, total)
 

@@ -87,6 +87,14 @@ def test_float_quantize_and_decode(fmt, dev):
     assert torch.equal(got.view(torch.int32), b.values.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2])
+def test_float_decode_sum(dtype, dev):
+    x = torch.stack([_x(300, seed=r) * 50 for r in range(3)]).to(dtype)
+    want = K.float_decode_sum(x, backend="reference")
+    got = K.float_decode_sum(x.to(dev), backend="cuda").cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("axis", [None, 1])
 def test_dequantize_into_a_float_format(axis, dev):
     q = K.quantize_int8(_x(shape=(12, 25), dev=dev) * 1e3, axis=axis, backend="cuda")

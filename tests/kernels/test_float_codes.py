@@ -11,6 +11,7 @@ from qsync_lab.kernels import (
     cpu,
     dequantize_int8,
     float_decode,
+    float_decode_sum,
     float_encode,
     float_quantize,
     float_round,
@@ -56,6 +57,38 @@ def test_float_decode_widens_every_code_as_torch_does(dtype):
     assert float_decode(codes, out=out) is out and torch.equal(_bits(out), want)
     with pytest.raises(QSyncError):
         float_decode(codes.float())
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS.values()))
+@pytest.mark.parametrize("rows, n", [(1, 40), (2, 4096 * 3 + 5), (3, 70_001)])
+def test_float_decode_sum_adds_the_rows_in_turn(dtype, rows, n):
+    """Bit for bit the sum torch makes adding each row's widened values to zeros (NaN
+    payloads aside: torch's are its own), the CPU kernel and the reference alike, NaNs
+    included, over block and chunk edges; ``out`` is written, not added to."""
+    x = torch.stack([_x(n - len(SPECIAL), seed=r) * 4 ** r for r in range(rows)]).to(dtype)
+    want = torch.zeros(n)
+    for row in x:
+        want.add_(row.float())
+    nan = torch.isnan(want)
+    reference = float_decode_sum(x, backend="reference")
+    assert torch.equal(torch.isnan(reference), nan)
+    assert torch.equal(_bits(reference[~nan]), _bits(want[~nan]))
+    assert torch.equal(_bits(float_decode_sum(x, backend="cpu")), _bits(reference))
+    out = torch.full((n,), float("nan"))
+    assert float_decode_sum(x, out=out) is out and torch.equal(_bits(out), _bits(reference))
+    grid = x.reshape(rows, 1, n)  # rows of any shape, and non-contiguous input
+    assert float_decode_sum(grid).shape == (1, n)
+    assert torch.equal(_bits(float_decode_sum(x.t().contiguous().t())), _bits(reference))
+
+
+def test_float_decode_sum_of_no_rows_is_zero_and_bad_input_is_refused():
+    assert float_decode_sum(torch.empty(0, 3, dtype=torch.float16)).tolist() == [0.0] * 3
+    with pytest.raises(QSyncError, match="at least one dimension"):
+        float_decode_sum(torch.tensor(1.0).to(torch.float16))
+    with pytest.raises(QSyncError, match="float8_e5m2"):
+        float_decode_sum(torch.zeros(2, 3))
+    with pytest.raises(QSyncError, match="out must be a contiguous"):
+        float_decode_sum(torch.zeros(2, 3, dtype=torch.float16), out=torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
