@@ -677,6 +677,18 @@ _SUM_BLOCK = 4096  # floats of a sum kept in L1 while every row is added to them
 def _decode_sum_for(fmt):
     F = tuple(int(v) for v in fmt)
 
+    # the loops run over whole slices from 0: Numba then knows no index is negative, and
+    # they vectorise (an offset index inside a prange body does not: 2-3x slower)
+    @njit
+    def widen_into(codes, out):
+        for t in range(out.size):
+            out[t] = np.float32(0) + np.uint32(ff_widen(codes[t], F)).view(np.float32)
+
+    @njit
+    def widen_add(codes, out):
+        for t in range(out.size):
+            out[t] += np.uint32(ff_widen(codes[t], F)).view(np.float32)
+
     @_jit(parallel=True)
     def kernel(codes, rows, out, nck):
         n = out.size
@@ -684,12 +696,9 @@ def _decode_sum_for(fmt):
             first, stop = _bounds(n, nck, k)
             for lo in range(first, stop, _SUM_BLOCK):
                 hi = min(stop, lo + _SUM_BLOCK)
-                for j in range(lo, hi):
-                    out[j] = np.float32(0) + np.uint32(ff_widen(codes[j], F)).view(np.float32)
+                widen_into(codes[lo:hi], out[lo:hi])
                 for r in range(1, rows):
-                    at = r * n
-                    for j in range(lo, hi):
-                        out[j] += np.uint32(ff_widen(codes[at + j], F)).view(np.float32)
+                    widen_add(codes[r * n + lo:r * n + hi], out[lo:hi])
 
     return kernel
 
