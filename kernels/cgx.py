@@ -48,8 +48,8 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
     element, unbiased to within 2**-16 of a unit) or 0.5 ("nearest"). Codes are packed
     little-endian, 8 codes per ``bits`` bytes. NaN or Inf in ``x`` raises QSyncError (found
     by the same read of ``x``); with ``check_finite=False`` such a group's meta is not
-    finite instead (its codes are undefined), for a caller that checks the meta itself. ``out``: optional
-    ``(payload, meta)``, contiguous uint8 ``(ceil(n/8), bits)`` and float32
+    finite instead (its codes are undefined), for a caller that checks the meta itself.
+    ``out``: optional ``(payload, meta)``, contiguous uint8 ``(ceil(n/8), bits)`` and float32
     ``(groups, 2)`` tensors on x's device, written instead of new ones (a caller that
     encodes the same size again and again keeps them).
 

@@ -1,6 +1,7 @@
 """Float formats: casts to fp16/bf16/fp8 and back, scaled casts, and rounding in float32."""
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -186,8 +187,9 @@ def float_decode_sum(x, *, backend="auto", out=None):
     rows, shape = x.shape[0], tuple(x.shape[1:])
     if be == "reference":
         table = _decode_table(x.dtype, torch.device("cpu")).numpy()
-        values = table[_code_array(x.detach().cpu().contiguous())].reshape(rows, -1)
-        total = np.zeros(values.shape[1], dtype=np.float32)
+        numel = math.prod(shape)
+        values = table[_code_array(x.detach().cpu().contiguous())].reshape(rows, numel)
+        total = np.zeros(numel, dtype=np.float32)
         for row in values:
             total += row
         res = _from_numpy(total, x.device).reshape(shape)
