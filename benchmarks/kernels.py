@@ -93,6 +93,9 @@ def _routines(x):
     cgx_bytes = round(4 + 4 / 8 + 8 / 512, 2)  # x read once; codes and (min, unit) written
     e5 = K.float_encode(x, "fp8_e5m2")
     e5_rows = torch.stack([e5, e5])  # two ranks' gathered payloads
+    q_rows = torch.stack([codes, codes])  # two ranks' QSGD codes
+    q_norms = [float(amax), 2 * float(amax)]
+    q_scales = torch.tensor([[v / 127] for v in q_norms])
     x2, cscale = _per_channel(x)
     zp = torch.zeros(_CHANNELS, dtype=torch.long)
     c8 = torch.empty_like(x2, dtype=torch.int8)
@@ -157,6 +160,9 @@ def _routines(x):
                                           + torch.rand_like(x)), -15, 15).to(torch.int8)),
         ("QSGD norm (float64 sum)", 4, lambda: K.l2norm(x), None,
          lambda: torch.linalg.vector_norm(x, dtype=torch.float64)),
+        ("QSGD mean of 2 payloads", 6, lambda: K.qsgd_decode_sum(q_rows, q_norms, 127, divisor=2),
+         lambda: K.qsgd_decode_sum(q_rows, q_norms, 127, divisor=2, out=o32),
+         lambda: (q_rows.float() * q_scales).sum(0) / 2),
         ("CGX 4-bit B=512 encode (stochastic)", cgx_bytes, lambda: K.cgx_encode(x, 4, 512),
          lambda: K.cgx_encode(x, 4, 512, out=cgx_out), None),
         ("CGX 4-bit B=512 encode (nearest)", cgx_bytes,

@@ -45,9 +45,10 @@ from .cgx import CGXPacked, cgx_decode, cgx_decode_mean, cgx_encode
 from .floats import (FloatCodes, float_decode, float_decode_sum, float_encode, float_quantize,
                      float_round)
 from .global_qsgd import global_qsgd_decode, global_qsgd_encode
-from .int8 import FakeQuantResult, Int8Tensor, dequantize_int8, fake_quantize_int8, quantize_int8
+from .int8 import (FakeQuantResult, Int8Tensor, dequantize_int8, dequantize_int8_sum,
+                   fake_quantize_int8, quantize_int8)
 from .plumbing import BACKENDS
-from .qsgd import QSGDCodes, qsgd_decode, qsgd_encode
+from .qsgd import QSGDCodes, qsgd_decode, qsgd_decode_sum, qsgd_encode
 from .reductions import absmax, l2norm
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "cgx_decode_mean",
     "cgx_encode",
     "dequantize_int8",
+    "dequantize_int8_sum",
     "fake_quantize_int8",
     "float_decode",
     "float_decode_sum",
@@ -77,6 +79,7 @@ __all__ = [
     "global_qsgd_encode",
     "l2norm",
     "qsgd_decode",
+    "qsgd_decode_sum",
     "qsgd_encode",
     "quantize_int8",
 ]

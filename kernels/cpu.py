@@ -710,6 +710,45 @@ def float_decode_sum(codes, rows, fmt, out):
     _decode_sum_for(tuple(fmt))(codes, rows, out, _nchunks(out.size))
 
 
+@njit(error_model="numpy")
+def _scaled_into(q, s, out):
+    for t in range(out.size):
+        out[t] = np.float32(0) + np.float32(np.float32(q[t]) * s)
+
+
+@njit(error_model="numpy")
+def _scaled_add(q, s, out):
+    for t in range(out.size):
+        out[t] += np.float32(np.float32(q[t]) * s)
+
+
+@njit(error_model="numpy")
+def _divide(out, d):
+    for t in range(out.size):
+        out[t] = out[t] / d
+
+
+@_jit(parallel=True, error_model="numpy")
+def _dequantize_sum(q, stride, scales, divisor, out, nck):
+    n = out.size
+    for k in prange(nck):
+        first, stop = _bounds(n, nck, k)
+        for lo in range(first, stop, _SUM_BLOCK):  # whole slices: the loops vectorise
+            hi = min(stop, lo + _SUM_BLOCK)
+            _scaled_into(q[lo:hi], scales[0], out[lo:hi])
+            for r in range(1, scales.size):
+                _scaled_add(q[r * stride + lo:r * stride + hi], scales[r], out[lo:hi])
+            if divisor != 1:
+                _divide(out[lo:hi], divisor)
+
+
+def dequantize_sum(q, stride, scales, divisor, out):
+    """float32 ``out`` = ``(((0 + q_0 s_0) + q_1 s_1) + ...) / divisor`` over the int8 rows
+    ``q[r * stride:][:out.size]``, each product rounded to float32, block by block: each
+    block of ``out`` stays in cache while every row is added to it."""
+    _dequantize_sum(q, stride, scales, np.float32(divisor), out, _nchunks(out.size))
+
+
 @_jit(parallel=True, error_model="numpy")
 def _float_quantize(x, scales, fmt, codes, values):
     s = scales[0]

@@ -161,6 +161,16 @@ def _float_decode_sum_kernel(codes, rows, table, out):
 
 
 @cuda.jit
+def _dequantize_sum_kernel(q, stride, scales, divisor, out):
+    n = out.size
+    for j in range(cuda.grid(1), n, cuda.gridsize(1)):
+        s = np.float32(0)
+        for r in range(scales.size):
+            s += np.float32(q[r * stride + j]) * scales[r]
+        out[j] = s / divisor
+
+
+@cuda.jit
 def _float_quantize_kernel(x, scales, fmt, codes, values):
     s = scales[0]
     for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
@@ -326,6 +336,10 @@ def float_decode(codes, table, out):
 
 def float_decode_sum(codes, rows, table, out):
     _float_decode_sum_kernel[_blocks(out.size), TPB](codes, rows, table, out)
+
+
+def dequantize_sum(q, stride, scales, divisor, out):
+    _dequantize_sum_kernel[_blocks(out.size), TPB](q, stride, scales, np.float32(divisor), out)
 
 
 def float_quantize(x, scales, fmt, codes, values):

@@ -195,6 +195,73 @@ def dequantize_int8(codes, scale, *, axis=None, fmt=None, dtype=torch.float32, b
     return _into(_dequantize(codes, scale, axis_, spec, be).to(dtype), out)
 
 
+def dequantize_int8_sum(codes, scales, *, divisor=1, backend="auto", out=None):
+    """The sum over ``codes``' first axis of each row times its own scale, over ``divisor``:
+    ``(((0 + q_0·s_0) + q_1·s_1) + ...) / divisor`` in float32, each product rounded as
+    :func:`dequantize_int8` rounds it. Bit for bit what adding each row's dequantized values
+    to zeros and dividing the sum gives; on the CPU in one pass over the sum (each block of
+    it stays in cache while every row is added). For the ranks' payloads of an all-gather.
+
+    The rows are read in place wherever they lie along the first axis's stride, as long as
+    each is contiguous (e.g. the codes behind each rank's header in gathered payloads).
+    (On a GPU the compiler may fuse a product with its sum, which rounds once instead of
+    twice.)
+
+    Args:
+        codes: int8 tensor of at least one dimension, its rows along the first.
+        scales: one scale per row (a sequence or a 1-D tensor), finite and >= 0.
+        divisor: a positive number the sum is divided by (the world size for a mean).
+        backend: "auto", "cpu", "cuda" or "reference".
+        out: optional contiguous float32 tensor of shape ``codes.shape[1:]`` on the codes'
+            device; overwritten.
+
+    Example::
+
+        >>> import torch
+        >>> from qsync_lab.kernels import dequantize_int8_sum
+        >>> codes = torch.tensor([[2, -4], [1, 3]], dtype=torch.int8)
+        >>> dequantize_int8_sum(codes, [0.5, 2.0], divisor=2).tolist()
+        [1.5, 2.0]
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.int8 or codes.dim() < 1:
+        raise QSyncError("codes must be an int8 torch.Tensor of at least one dimension (its "
+                         "rows along the first)")
+    rows, shape = codes.shape[0], tuple(codes.shape[1:])
+    scales = torch.as_tensor(scales, dtype=torch.float32).detach().reshape(-1).cpu()
+    if scales.numel() != rows:
+        raise QSyncError(f"scales has {scales.numel()} values for {rows} rows of codes; "
+                         "pass one scale per row")
+    if rows and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
+        raise QSyncError("scales must be finite and >= 0")
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) \
+            or not 0 < divisor < math.inf:
+        raise QSyncError(f"divisor must be a positive finite number, got {divisor!r}")
+    be = _backend(codes, backend)
+    if be == "reference":
+        res = ref.dequantize_sum(codes.detach().cpu().numpy().reshape(rows, math.prod(shape)),
+                                 scales.numpy(), divisor)
+        return _into(_from_numpy(res, codes.device).reshape(shape),
+                     None if out is None else _out(out, shape, torch.float32, codes.device))
+    out = _out(out, shape, torch.float32, codes.device)
+    if rows == 0:
+        return out.zero_()
+    if out.numel():
+        flat, stride = _rows_in_place(codes.detach())
+        _kernels(be).dequantize_sum(_arr(flat), stride, _arr(scales.to(codes.device)),
+                                    float(divisor), _arr(out.view(-1)))
+    return out
+
+
+def _rows_in_place(codes):
+    """A flat view from ``codes``' first row to the end of its last, and the row stride in
+    elements (a contiguous copy first where a row is not contiguous)."""
+    numel = codes[0].numel()
+    if codes.shape[0] == 1 or not codes[0].is_contiguous() or codes.stride(0) < numel:
+        codes = codes.contiguous()
+    stride = codes.stride(0) if codes.shape[0] > 1 else numel
+    return codes.as_strided(((codes.shape[0] - 1) * stride + numel,), (1,)), stride
+
+
 def fake_quantize_int8(x, *, axis=None, rounding="nearest", seed=0, backend="auto", out=None):
     """Quantize to int8 and back in one pass; also return the error statistics.
 

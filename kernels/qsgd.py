@@ -8,7 +8,7 @@ import torch
 from qsync_lab.errors import QSyncError
 
 from . import reference as ref
-from .int8 import _quantize, dequantize_int8
+from .int8 import _quantize, dequantize_int8, dequantize_int8_sum
 from .plumbing import _backend, _check_float, _check_seed, _nan_error
 from .reductions import l2norm
 
@@ -66,3 +66,21 @@ def qsgd_decode(codes, norm, levels, *, backend="auto", out=None):
     _check_levels(levels)
     scale = torch.tensor(float(ref.qsgd_scale(norm, levels)))
     return dequantize_int8(codes, scale, backend=backend, out=out)
+
+
+def qsgd_decode_sum(codes, norms, levels, *, divisor=1, backend="auto", out=None):
+    """The sum of the rows' QSGD values (row ``r`` scaled by ``norms[r]``), over ``divisor``:
+    :func:`~qsync_lab.kernels.dequantize_int8_sum` with each row's :func:`qsgd_decode` scale,
+    bit for bit what adding each row's :func:`qsgd_decode` to zeros and dividing gives.
+
+    Example::
+
+        >>> import torch
+        >>> from qsync_lab.kernels import qsgd_decode_sum
+        >>> codes = torch.tensor([[3, 4], [5, 0]], dtype=torch.int8)
+        >>> qsgd_decode_sum(codes, [5.0, 10.0], 5, divisor=2).tolist()
+        [6.5, 2.0]
+    """
+    _check_levels(levels)
+    scales = [float(ref.qsgd_scale(norm, levels)) for norm in norms]
+    return dequantize_int8_sum(codes, scales, divisor=divisor, backend=backend, out=out)

@@ -122,6 +122,16 @@ def dequantize(q, scale, axis=None):
     return (q.astype(np.float32) * channel_view(scale, q.shape, axis)).astype(np.float32)
 
 
+def dequantize_sum(rows, scales, divisor=1):
+    """``(((0 + q_0 s_0) + q_1 s_1) + ...) / divisor`` in float32 over the int8 ``rows``
+    (each product rounded to float32)."""
+    rows = np.asarray(rows)
+    total = np.zeros(rows.shape[1:], dtype=np.float32)
+    for q, s in zip(rows, np.asarray(scales, dtype=np.float32)):
+        total += dequantize(q, s)
+    return (total / np.float32(divisor)).astype(np.float32)
+
+
 def fake_quantize(x, scale, axis=None, stochastic=False, seed=0, out_fmt=floatfmt.FP32):
     """Quantize, dequantize and round to ``out_fmt``; return (output, sum of squared error).
 

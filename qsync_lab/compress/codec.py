@@ -29,8 +29,7 @@ import torch
 from qsync_lab.errors import QSyncError
 
 __all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "Workspace", "check_finite",
-           "float_sum_target", "float_target", "into", "packed_parts", "padded", "take",
-           "unpack"]
+           "float_target", "into", "packed_parts", "padded", "take", "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
@@ -133,12 +132,6 @@ def check_finite(flags: torch.Tensor, what: str) -> None:
 def into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
     """``values`` copied into ``out`` (cast to its dtype), or ``values`` when ``out`` is None."""
     return values if out is None else out.copy_(values)
-
-
-def float_sum_target(out: torch.Tensor | None, numel: int,
-                     workspace: Workspace | None = None) -> torch.Tensor:
-    """A zeroed :func:`float_target` to add the ranks' values into."""
-    return float_target(out, numel, workspace).zero_()
 
 
 def float_target(out: torch.Tensor | None, numel: int,

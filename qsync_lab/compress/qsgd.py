@@ -3,17 +3,18 @@
 ``s = 2**(bits-1) - 1`` levels on each side of zero, codes ``round_stochastic(x s / ||x||)``
 as int8 (``qsync_lab.kernels.qsgd_encode``): unbiased, with a per-element variance of at
 most ``(||x|| / s)**2 / 4``. The ranks' scales differ, so the codes cannot be summed in
-the collective: each rank's codes and norm are all-gathered and decoded one by one. Kept
-as the reference the other methods are compared with.
+the collective: each rank's codes and norm are all-gathered, and each rank's codes, scaled by
+its norm, are added to the mean in one pass over it. Kept as the reference the other
+methods are compared with.
 """
 
 import math
 
 import torch
 
-from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, float_sum_target,
-                                     into, packed_parts, padded, take, unpack)
-from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_encode
+from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, float_target, into,
+                                     packed_parts, padded, take)
+from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_decode_sum, qsgd_encode
 
 __all__ = ["encode", "levels", "reduce", "wire"]
 
@@ -41,19 +42,16 @@ def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> 
 
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
-    data = encoded.payload
-    gathered = [unpack(row, (torch.float32, 1), (torch.int8, encoded.context))
-                for row in comm.all_gather(data, out=take(workspace, "gathered",
-                                                          comm.world * data.numel(),
-                                                          data.dtype, data.device))]
-    for norm, _ in gathered:
-        check_finite(norm, "a qsgd bucket")
-    total = float_sum_target(out, encoded.context, workspace)
-    # one buffer for every rank's values
-    decoded = take(workspace, "decoded", encoded.context, torch.float32, data.device)
-    for norm, codes in gathered:
-        total.add_(qsgd_decode(codes, float(norm), levels(spec), out=decoded))
-    total.div_(comm.world)
+    """The ranks' codes, each scaled by its own norm, summed in one pass over the mean."""
+    data, numel = encoded.payload, encoded.context
+    gathered = take(workspace, "gathered", comm.world * data.numel(), data.dtype, data.device)
+    rows = comm.all_gather(data, out=gathered)
+    table = gathered.view(comm.world, -1) if comm.world > 1 else rows[0].view(1, -1)
+    norms = table[:, :4].view(torch.float32)  # each rank's payload: its norm, then its codes
+    check_finite(norms, "a qsgd bucket")
+    total = float_target(out, numel, workspace)
+    qsgd_decode_sum(table[:, 4:4 + numel].view(torch.int8), norms.view(-1).tolist(),
+                    levels(spec), divisor=comm.world, out=total.view(-1))
     return total if total is out else into(out, total)
 
 

@@ -9,10 +9,11 @@ the sender thread, so a bucket's communication lasts the sum of:
   has one, the encode, the collective of the payload (a ring allreduce of the codes, or a
   ring all-gather of every rank's payload) and the decode of each payload the rank receives
   (one for an allreduce, one per rank for an all-gather: the profile's decode line, measured
-  on one rank, counted once per payload; for CGX and APS, which sum the ranks' values in one
-  pass over the sum (``cgx_decode_mean``, ``float_decode_sum``), that counts its write once
-  per rank, an overestimate of (ranks - 1) writes). Encode (error feedback included)
-  and decode times come from the profile's lines measured through the hook
+  on one rank, counted once per payload; for CGX, APS and QSGD, which sum the ranks' values
+  in one pass over the sum (``cgx_decode_mean``, ``float_decode_sum``, ``qsgd_decode_sum``),
+  that counts its write once per rank, an overestimate of (ranks - 1) writes). Encode
+  (error feedback included) and decode times come from the profile's lines measured through
+  the hook
   (:meth:`~qsync_lab.costs.CostModel.compression_time_us`, keyed by the spec's
   ``cost_label``), else from the roofline of the bytes they touch, on the slowest device
   of the cluster; where the profile calibrated the spec on real DDP steps, what the hook

@@ -95,6 +95,22 @@ def test_float_decode_sum(dtype, dev):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+def test_dequantize_int8_sum(dev):
+    """Rows read in place behind a header; on a GPU a fused multiply-add may round each
+    product once instead of twice (within one float32 rounding of each term)."""
+    payloads = torch.randint(-127, 128, (3, 4 + 300), dtype=torch.int8,
+                             generator=torch.Generator().manual_seed(0))
+    scales = [0.37, 1e-3, 5.0]
+    want = K.dequantize_int8_sum(payloads[:, 4:], scales, divisor=3, backend="reference")
+    got = K.dequantize_int8_sum(payloads.to(dev)[:, 4:], scales, divisor=3,
+                                backend="cuda").cpu()
+    if dev == "cpu":  # the simulator computes in NumPy float32: bit for bit
+        assert torch.equal(got, want)
+    else:
+        bound = 3 * 127 * max(scales) * 2.0**-24
+        torch.testing.assert_close(got, want, rtol=0, atol=bound)
+
+
 @pytest.mark.parametrize("axis", [None, 1])
 def test_dequantize_into_a_float_format(axis, dev):
     q = K.quantize_int8(_x(shape=(12, 25), dev=dev) * 1e3, axis=axis, backend="cuda")

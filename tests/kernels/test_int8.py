@@ -10,6 +10,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import (
     absmax,
     dequantize_int8,
+    dequantize_int8_sum,
     fake_quantize_int8,
     quantize_int8,
 )
@@ -212,3 +213,69 @@ def test_property_cpu_equals_reference(shape, dtype, scale_exp, transpose, per_c
     fb = fake_quantize_int8(x, axis=axis, backend="reference")
     assert torch.equal(fa.output, fb.output)
     assert not torch.isnan(fa.output).any()
+
+
+# ------------------------------------------------------------------- sum of scaled rows
+
+
+def _decode_then_add(codes, scales, divisor):
+    """What adding each row's ``dequantize_int8`` to zeros, then dividing, gives (torch)."""
+    total = torch.zeros(codes.shape[1:])
+    for row, scale in zip(codes, scales):
+        total.add_(dequantize_int8(row, torch.tensor(scale)))
+    return total.div_(divisor)
+
+
+@pytest.mark.parametrize("rows, n", [(1, 40), (2, 4096 * 3 + 5), (4, 70_001)])
+@pytest.mark.parametrize("divisor", [1, 3])
+def test_dequantize_int8_sum_adds_the_scaled_rows_in_turn(rows, n, divisor):
+    """Bit for bit the sum torch makes adding each row's dequantized values to zeros and
+    dividing it, on the CPU kernel and the reference, over block and chunk edges (scales
+    of very different sizes, so that the order of the additions shows); ``out`` is written,
+    not added to."""
+    g = torch.Generator().manual_seed(rows * n)
+    codes = torch.randint(-127, 128, (rows, n), generator=g, dtype=torch.int8)
+    scales = [0.37 * 1000.0 ** -r for r in range(rows)]
+    want = _decode_then_add(codes, scales, divisor)
+    for backend in ("cpu", "reference"):
+        assert torch.equal(dequantize_int8_sum(codes, scales, divisor=divisor,
+                                               backend=backend), want)
+    out = torch.full((n,), float("nan"))
+    assert dequantize_int8_sum(codes, torch.tensor(scales), divisor=divisor, out=out) is out
+    assert torch.equal(out, want)
+
+
+def test_dequantize_int8_sum_reads_rows_in_place_at_any_stride():
+    """Rows behind a header (gathered packed payloads), rows of any shape, and
+    non-contiguous rows (copied first) all give the sum of the rows as given."""
+    payloads = torch.randint(-127, 128, (3, 8 + 5000), dtype=torch.int8)
+    codes = payloads[:, 8:]  # each row contiguous, 5008 apart
+    scales = [0.5, 2.0, 0.001]
+    want = _decode_then_add(codes.contiguous(), scales, 3)
+    for backend in ("cpu", "reference"):
+        assert torch.equal(dequantize_int8_sum(codes, scales, divisor=3, backend=backend), want)
+    grid = codes.reshape(3, 50, 100)
+    assert torch.equal(dequantize_int8_sum(grid, scales, divisor=3), want.reshape(50, 100))
+    columns = codes.contiguous().reshape(3, 100, 50).transpose(1, 2)  # rows not contiguous
+    assert torch.equal(dequantize_int8_sum(columns, scales, divisor=3),
+                       want.reshape(100, 50).t())
+    one = dequantize_int8_sum(codes[1:2], scales[1:2])
+    assert torch.equal(one, dequantize_int8(codes[1], torch.tensor(2.0)))
+
+
+def test_dequantize_int8_sum_of_no_rows_is_zero_and_bad_input_is_refused():
+    for backend in ("cpu", "reference"):
+        none = torch.empty(0, 3, dtype=torch.int8)
+        assert dequantize_int8_sum(none, [], backend=backend).tolist() == [0.0] * 3
+    codes = torch.ones(2, 3, dtype=torch.int8)
+    for call, match in [
+        (lambda: dequantize_int8_sum(codes.float(), [1, 1]), "int8"),
+        (lambda: dequantize_int8_sum(torch.tensor(1, dtype=torch.int8), []), "one dimension"),
+        (lambda: dequantize_int8_sum(codes, [1.0]), "one scale per row"),
+        (lambda: dequantize_int8_sum(codes, [1.0, float("nan")]), "finite and >= 0"),
+        (lambda: dequantize_int8_sum(codes, [1.0, -1.0]), "finite and >= 0"),
+        (lambda: dequantize_int8_sum(codes, [1, 1], divisor=0), "positive finite"),
+        (lambda: dequantize_int8_sum(codes, [1, 1], out=torch.zeros(2, 3)), "contiguous"),
+    ]:
+        with pytest.raises(QSyncError, match=match):
+            call()
