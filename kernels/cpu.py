@@ -1048,15 +1048,13 @@ def _cgx_decode(payload, meta, bucket, bits, accumulate, out, nck):
         for g in range(first, stop):
             start = g * bucket
             size = min(bucket, n - start)
-            _cgx_unpack(payload[start // 8 * bits:(start + bucket) // 8 * bits], bits, codes)
-            lo, unit = meta[g, 0], meta[g, 1]
-            part = out[start:start + size]
-            if accumulate:
-                for t in range(size):
-                    part[t] += lo + unit * np.float32(codes[t])
+            block = payload[start // 8 * bits:(start + bucket) // 8 * bits]
+            lo, unit, part = meta[g, 0], meta[g, 1], out[start:start + size]
+            if bits == 8:  # the payload holds the codes themselves
+                _cgx_values(block, lo, unit, accumulate, part)
             else:
-                for t in range(size):
-                    part[t] = lo + unit * np.float32(codes[t])
+                _cgx_unpack(block, bits, codes)
+                _cgx_values(codes, lo, unit, accumulate, part)
 
 
 def cgx_decode(payload, meta, bucket, bits, accumulate, out):
@@ -1094,21 +1092,31 @@ def _cgx_decode_mean(payloads, metas, bucket, bits, out, nck):
             part = out[start:min(n, start + bucket)]
             part[:] = 0
             for r in range(len(payloads)):
-                _cgx_unpack(payloads[r][start // 8 * bits:(start + bucket) // 8 * bits], bits,
-                            codes)
+                block = payloads[r][start // 8 * bits:(start + bucket) // 8 * bits]
                 lo, unit = metas[r][g, 0], metas[r][g, 1]
-                for t in range(part.size):
-                    part[t] += lo + unit * np.float32(codes[t])
+                if bits == 8:
+                    _cgx_values(block, lo, unit, True, part)
+                else:
+                    _cgx_unpack(block, bits, codes)
+                    _cgx_values(codes, lo, unit, True, part)
             for t in range(part.size):
                 part[t] /= count
 
 
+@njit(error_model="numpy")
+def _cgx_values(codes, lo, unit, accumulate, part):
+    """``lo + unit·q`` of a group's codes (float32), written to ``part`` or added to it."""
+    if accumulate:
+        for t in range(part.size):
+            part[t] += lo + unit * np.float32(codes[t])
+    else:
+        for t in range(part.size):
+            part[t] = lo + unit * np.float32(codes[t])
+
+
 @njit
 def _cgx_unpack(payload, bits, codes):
-    """The inverse of :func:`_cgx_pack` (as many codes as ``payload`` holds)."""
-    if bits == 8:
-        codes[:payload.size] = payload[:codes.size]
-        return
+    """The inverse of :func:`_cgx_pack` (as many codes as ``payload`` holds, 1 to 7 bits)."""
     if bits == 4:
         for i in range(min(codes.size // 2, payload.size)):
             byte = payload[i]

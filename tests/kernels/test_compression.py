@@ -195,9 +195,10 @@ def test_cgx_non_finite_marks_its_group_only_when_asked(backend, bad):
         cgx_encode(x, 4, 64, backend=backend)
 
 
+@pytest.mark.parametrize("bits", [3, 8])  # unpacked, and read from the payload itself
 @pytest.mark.parametrize("bucket", [24, 50])
-def test_cgx_decode_accumulates_into_out(bucket):
-    parts = [cgx_encode(_g(203, seed=s), 3, bucket, seed=s) for s in range(3)]
+def test_cgx_decode_accumulates_into_out(bucket, bits):
+    parts = [cgx_encode(_g(203, seed=s), bits, bucket, seed=s) for s in range(3)]
     total = torch.full((203,), 0.25)
     for p in parts:
         assert cgx_decode(p, out=total) is total
@@ -206,9 +207,10 @@ def test_cgx_decode_accumulates_into_out(bucket):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("bucket,ranks", [(24, 3), (50, 2), (512, 4), (8, 1)])
-def test_cgx_decode_mean_sums_in_rank_order_then_divides(backend, bucket, ranks):
-    parts = [cgx_encode(_g(1203, seed=s), 4, bucket, seed=s) for s in range(ranks)]
+def test_cgx_decode_mean_sums_in_rank_order_then_divides(backend, bits, bucket, ranks):
+    parts = [cgx_encode(_g(1203, seed=s), bits, bucket, seed=s) for s in range(ranks)]
     exact = torch.zeros(1203)  # the same float32 arithmetic, one decode per payload
     for p in parts:
         cgx_decode(p, out=exact, backend="reference")
