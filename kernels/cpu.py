@@ -690,7 +690,7 @@ def _decode_sum_for(fmt):
             out[t] += np.uint32(ff_widen(codes[t], F)).view(np.float32)
 
     @_jit(parallel=True)
-    def kernel(codes, rows, out, nck):
+    def kernel(codes, rows, stride, scale, out, nck):
         n = out.size
         for k in prange(nck):
             first, stop = _bounds(n, nck, k)
@@ -698,16 +698,25 @@ def _decode_sum_for(fmt):
                 hi = min(stop, lo + _SUM_BLOCK)
                 widen_into(codes[lo:hi], out[lo:hi])
                 for r in range(1, rows):
-                    widen_add(codes[r * n + lo:r * n + hi], out[lo:hi])
+                    widen_add(codes[r * stride + lo:r * stride + hi], out[lo:hi])
+                if scale != 1:
+                    _multiply(out[lo:hi], scale)
 
     return kernel
 
 
-def float_decode_sum(codes, rows, fmt, out):
-    """float32 ``out`` = the sum of ``rows`` rows of ``fmt`` codes (flat, row after row),
-    ``(0 + v_0) + v_1 + ...`` in float32, block by block: each block of ``out`` stays in
-    cache while every row is added to it."""
-    _decode_sum_for(tuple(fmt))(codes, rows, out, _nchunks(out.size))
+def float_decode_sum(codes, rows, stride, fmt, scale, out):
+    """float32 ``out`` = ``((0 + v_0) + v_1 + ...) * scale`` over ``rows`` rows of ``fmt``
+    codes, ``stride`` codes apart in ``codes``, block by block: each block of ``out`` stays
+    in cache while every row is added to it."""
+    _decode_sum_for(tuple(fmt))(codes, rows, stride, np.float32(scale), out,
+                                _nchunks(out.size))
+
+
+@njit(error_model="numpy")
+def _multiply(out, m):
+    for t in range(out.size):
+        out[t] = out[t] * m
 
 
 @njit(error_model="numpy")

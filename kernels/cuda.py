@@ -151,13 +151,12 @@ def _float_decode_kernel(codes, table, out):
 
 
 @cuda.jit
-def _float_decode_sum_kernel(codes, rows, table, out):
-    n = out.size
-    for j in range(cuda.grid(1), n, cuda.gridsize(1)):
+def _float_decode_sum_kernel(codes, rows, stride, table, scale, out):
+    for j in range(cuda.grid(1), out.size, cuda.gridsize(1)):
         s = np.float32(0)
         for r in range(rows):
-            s += table[codes[r * n + j]]
-        out[j] = s
+            s += table[codes[r * stride + j]]
+        out[j] = s * scale
 
 
 @cuda.jit
@@ -334,8 +333,9 @@ def float_decode(codes, table, out):
     _float_decode_kernel[_blocks(codes.size), TPB](codes, table, out)
 
 
-def float_decode_sum(codes, rows, table, out):
-    _float_decode_sum_kernel[_blocks(out.size), TPB](codes, rows, table, out)
+def float_decode_sum(codes, rows, stride, table, scale, out):
+    _float_decode_sum_kernel[_blocks(out.size), TPB](codes, rows, stride, table,
+                                                     np.float32(scale), out)
 
 
 def dequantize_sum(q, stride, scales, divisor, out):

@@ -22,6 +22,7 @@ from .plumbing import (
     _into,
     _kernels,
     _out,
+    _rows_in_place,
 )
 
 _TORCH_FORMATS = {
@@ -161,14 +162,17 @@ def float_decode(x, *, backend="auto", out=None):
     return out
 
 
-def float_decode_sum(x, *, backend="auto", out=None):
+def float_decode_sum(x, *, scale=1.0, backend="auto", out=None):
     """The float32 sum over ``x``'s first axis of its values widened to float32, added in
-    turn: ``((0 + v_0) + v_1) + ...``, as adding each row's :func:`float_decode` to zeros
-    does, bit for bit. For the ranks' payloads of an all-gather: on the CPU one pass over
-    the sum (each block of it stays in cache while every row is added), not one per row.
+    turn, times ``scale``: ``(((0 + v_0) + v_1) + ...) · float32(scale)``, as adding each
+    row's :func:`float_decode` to zeros and multiplying the sum does, bit for bit. For the
+    ranks' payloads of an all-gather: on the CPU one pass over the sum (each block of it
+    stays in cache while every row is added, then is scaled). The rows are read in place
+    wherever they lie along the first axis's stride, as long as each is contiguous.
 
     Args:
         x: tensor of one of the four formats, at least 1-D, its rows along the first axis.
+        scale: a finite number the sum is multiplied by (in float32).
         backend: "auto", "cpu", "cuda" or "reference".
         out: optional contiguous float32 tensor of shape ``x.shape[1:]`` on x's device.
 
@@ -177,12 +181,15 @@ def float_decode_sum(x, *, backend="auto", out=None):
         >>> import torch
         >>> from qsync_lab.kernels import float_decode_sum
         >>> x = torch.tensor([[1.5, 2.0], [0.25, -2.0]]).to(torch.float8_e4m3fn)
-        >>> float_decode_sum(x).tolist()
-        [1.75, 0.0]
+        >>> float_decode_sum(x).tolist(), float_decode_sum(x, scale=0.5).tolist()
+        ([1.75, 0.0], [0.875, 0.0])
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _TORCH_FORMATS or x.dim() < 1:
         raise QSyncError("x must be a float16, bfloat16, float8_e4m3fn or float8_e5m2 "
                          "torch.Tensor of at least one dimension (its rows along the first)")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale):
+        raise QSyncError(f"scale must be a finite number, got {scale!r}")
     be = _backend(x, backend)
     rows, shape = x.shape[0], tuple(x.shape[1:])
     if be == "reference":
@@ -192,18 +199,22 @@ def float_decode_sum(x, *, backend="auto", out=None):
         total = np.zeros(numel, dtype=np.float32)
         for row in values:
             total += row
+        total *= np.float32(scale)
         res = _from_numpy(total, x.device).reshape(shape)
         return res if out is None else _into(res, _out(out, shape, torch.float32, x.device))
     out = _out(out, shape, torch.float32, x.device)
     if rows == 0:
         return out.zero_()
     if out.numel():
-        codes = _code_array(x.detach().contiguous())
+        flat, stride = _rows_in_place(x.detach())
+        codes = _code_array(flat)
         if be == "cpu":
-            _kernels(be).float_decode_sum(codes, rows, _TORCH_FORMATS[x.dtype], _arr(out))
+            _kernels(be).float_decode_sum(codes, rows, stride, _TORCH_FORMATS[x.dtype],
+                                          float(scale), _arr(out.view(-1)))
         else:
-            _kernels(be).float_decode_sum(codes, rows, _arr(_decode_table(x.dtype, x.device)),
-                                          _arr(out))
+            _kernels(be).float_decode_sum(codes, rows, stride,
+                                          _arr(_decode_table(x.dtype, x.device)), float(scale),
+                                          _arr(out.view(-1)))
     return out
 
 

@@ -24,6 +24,7 @@ from .plumbing import (
     _kernels,
     _nan_error,
     _out,
+    _rows_in_place,
 )
 from .reductions import _finite_absmax
 from .rng import rng_key
@@ -250,16 +251,6 @@ def dequantize_int8_sum(codes, scales, *, divisor=1, backend="auto", out=None):
         _kernels(be).dequantize_sum(_arr(flat), stride, _arr(scales.to(codes.device)),
                                     float(divisor), _arr(out.view(-1)))
     return out
-
-
-def _rows_in_place(codes):
-    """A flat view from ``codes``' first row to the end of its last, and the row stride in
-    elements (a contiguous copy first where a row is not contiguous)."""
-    numel = codes[0].numel()
-    if codes.shape[0] == 1 or not codes[0].is_contiguous() or codes.stride(0) < numel:
-        codes = codes.contiguous()
-    stride = codes.stride(0) if codes.shape[0] > 1 else numel
-    return codes.as_strided(((codes.shape[0] - 1) * stride + numel,), (1,)), stride
 
 
 def fake_quantize_int8(x, *, axis=None, rounding="nearest", seed=0, backend="auto", out=None):

@@ -198,3 +198,14 @@ def _into(result, out):
 
 def _from_numpy(a, device):
     return torch.from_numpy(np.asarray(a)).to(device)
+
+
+def _rows_in_place(rows):
+    """A flat view from the first of ``rows`` (a tensor's slices along its first axis, at
+    least one) to the end of its last, and the row stride in elements: the rows read in
+    place (a contiguous copy first where a row is not contiguous)."""
+    numel = rows[0].numel()
+    if rows.shape[0] == 1 or not rows[0].is_contiguous() or rows.stride(0) < numel:
+        rows = rows.contiguous()
+    stride = rows.stride(0) if rows.shape[0] > 1 else numel
+    return rows.as_strided(((rows.shape[0] - 1) * stride + numel,), (1,)), stride

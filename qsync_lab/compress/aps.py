@@ -62,25 +62,28 @@ def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> 
     return Encoded(codes, context, _scaled(values, context).view(x.shape) if own else None)
 
 
-def _scaled(values: torch.Tensor, context, divisor: float = 1.0) -> torch.Tensor:
-    """``values`` times each segment's ``2**-shift``, over ``divisor``, in place."""
+def _scaled(values: torch.Tensor, context) -> torch.Tensor:
+    """``values`` times each segment's ``2**-shift``, in place."""
     segments, scales = context
     for (start, numel), scale in zip(segments, scales):
-        values[start:start + numel] *= scale / divisor
+        values[start:start + numel] *= scale
     return values
 
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
-    """The ranks' codes widened and summed in fp32, in one pass over the sum (the shifts are
-    shared: scaled once)."""
+    """The ranks' codes widened and summed in fp32, then scaled (the shifts are shared), in
+    one pass over the mean per segment."""
     payload = encoded.payload
     gathered = take(workspace, "gathered", comm.world * payload.numel(), payload.dtype,
                     payload.device)
     rows = comm.all_gather(payload, out=gathered)
-    codes = gathered.view(comm.world, -1) if comm.world > 1 else rows[0].view(1, -1)
+    codes = (gathered.view(comm.world, -1) if comm.world > 1
+             else rows[0].view(1, -1)).view(_DTYPES[spec.format])
     total = float_target(out, payload.numel(), workspace)
-    float_decode_sum(codes.view(_DTYPES[spec.format]), out=total.view(-1))
-    _scaled(total, encoded.context, comm.world)
+    flat = total.view(-1)
+    for (start, numel), scale in zip(*encoded.context):
+        float_decode_sum(codes[:, start:start + numel], scale=scale / comm.world,
+                         out=flat[start:start + numel])
     return total if total is out else into(out, total)
 
 

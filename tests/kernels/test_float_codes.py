@@ -79,6 +79,18 @@ def test_float_decode_sum_adds_the_rows_in_turn(dtype, rows, n):
     grid = x.reshape(rows, 1, n)  # rows of any shape, and non-contiguous input
     assert torch.equal(_bits(float_decode_sum(grid)), _bits(reference.reshape(1, n)))
     assert torch.equal(_bits(float_decode_sum(x.t().contiguous().t())), _bits(reference))
+    payloads = torch.cat([x[:, :7], x], 1)  # rows read in place behind a header
+    assert torch.equal(_bits(float_decode_sum(payloads[:, 7:], backend="cpu")), _bits(reference))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("scale", [0.5, 1 / 3, -2.0**-20])
+def test_float_decode_sum_scales_the_sum_as_torch_does(backend, scale):
+    """``(sum) * scale`` rounded once, as torch multiplies a float32 sum by a Python number."""
+    x = torch.stack([_x(9000, seed=r) for r in range(3)]).to(torch.float8_e5m2)
+    want = float_decode_sum(x, backend="reference") * scale
+    got = float_decode_sum(x, scale=scale, backend=backend)
+    assert torch.equal(_bits(got), _bits(want))
 
 
 def test_float_decode_sum_of_no_rows_is_zero_and_bad_input_is_refused():
@@ -91,6 +103,8 @@ def test_float_decode_sum_of_no_rows_is_zero_and_bad_input_is_refused():
         float_decode_sum(torch.zeros(2, 3))
     with pytest.raises(QSyncError, match="out must be a contiguous"):
         float_decode_sum(torch.zeros(2, 3, dtype=torch.float16), out=torch.zeros(2, 3))
+    with pytest.raises(QSyncError, match="scale must be a finite number"):
+        float_decode_sum(torch.zeros(2, 3, dtype=torch.float16), scale=float("inf"))
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
