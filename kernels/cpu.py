@@ -419,14 +419,14 @@ def _dequantize_for(fmt):
     ``fmt`` in the same pass unless it is None."""
     F = None if fmt is None else tuple(int(v) for v in fmt)
     if F is None:
-        @njit(error_model="numpy")
+        @njit(error_model="numpy", inline="always")  # no symbol of its own: see _decode_sum_for
         def run(q, out, s):
             for t in range(q.size):
                 out[t] = np.float32(np.float32(q[t]) * _at(s, t)).view(np.uint32)
     else:
         rnd = _round_fn(F)
 
-        @njit(error_model="numpy")
+        @njit(error_model="numpy", inline="always")
         def run(q, out, s):
             for t in range(q.size):
                 out[t] = rnd(np.float32(np.float32(q[t]) * _at(s, t)).view(np.uint32), F)
@@ -678,13 +678,16 @@ def _decode_sum_for(fmt):
     F = tuple(int(v) for v in fmt)
 
     # the loops run over whole slices from 0: Numba then knows no index is negative, and
-    # they vectorise (an offset index inside a prange body does not: 2-3x slower)
-    @njit
+    # they vectorise (an offset index inside a prange body does not: 2-3x slower). They are
+    # inlined into the kernel: a helper of its own would be linked by its name, the same for
+    # every format's kernel, and of two kernels loaded from the disk cache into one process
+    # the second would call the first's helper (another format's widening)
+    @njit(inline="always")
     def widen_into(codes, out):
         for t in range(out.size):
             out[t] = np.float32(0) + np.uint32(ff_widen(codes[t], F)).view(np.float32)
 
-    @njit
+    @njit(inline="always")
     def widen_add(codes, out):
         for t in range(out.size):
             out[t] += np.uint32(ff_widen(codes[t], F)).view(np.float32)

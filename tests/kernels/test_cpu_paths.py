@@ -300,3 +300,37 @@ def test_a_factory_kernel_is_loaded_from_the_disk_cache_in_a_later_process(tmp_p
 
     assert hits_and_misses() == (0, 1)    # compiled and written
     assert hits_and_misses() == (1, 0)    # a fresh process loads it
+
+
+_TWO_FORMATS_RUN = """
+import sys, torch
+from qsync_lab.kernels import dequantize_int8, float_decode_sum
+g = torch.Generator().manual_seed(0)
+x, q = torch.randn(2, 5000, generator=g), torch.randint(-127, 128, (5000,), dtype=torch.int8)
+for fmt in sys.argv[1:]:
+    rows = x.to({"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt])
+    same = (torch.equal(float_decode_sum(rows), float_decode_sum(rows, backend="reference"))
+            and torch.equal(dequantize_int8(q, 0.01, fmt=fmt),
+                            dequantize_int8(q, 0.01, fmt=fmt, backend="reference")))
+    print(fmt, same)
+"""
+
+
+def test_kernels_of_two_formats_cached_by_two_processes_run_together(tmp_path):
+    """Each format's factory kernels compiled and cached by a process of its own, then both
+    loaded by one process: each runs its own format (a helper linked by a name common to
+    both formats once made the second kernel run the first's widening)."""
+    if type(getattr(cpu._quantize, "_cache", None)).__name__ != "FunctionCache":
+        pytest.skip("no disk cache in this install")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def run(*formats):
+        done = subprocess.run([sys.executable, "-c", _TWO_FORMATS_RUN, *formats], env=env,
+                              capture_output=True, text=True, check=True)
+        return done.stdout.split()
+
+    formats = ("fp8_e4m3", "fp8_e5m2")
+    for fmt in formats:
+        assert run(fmt) == [fmt, "True"]
+    assert run(*formats) == [formats[0], "True", formats[1], "True"]
+    assert run(*reversed(formats)) == [formats[1], "True", formats[0], "True"]
