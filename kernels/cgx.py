@@ -39,7 +39,7 @@ class CGXPacked(NamedTuple):
 
 
 def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check_finite=True,
-               backend="auto", out=None):
+               backend="auto", out=None, error_out=None):
     """CGX bucketed max-min quantization to ``bits`` (1..8) bits, bit-packed.
 
     Per bucket of ``bucket_size`` consecutive elements: ``unit = (max - min)/(2**b - 1)``
@@ -51,7 +51,10 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
     finite instead (its codes are undefined), for a caller that checks the meta itself.
     ``out``: optional ``(payload, meta)``, contiguous uint8 ``(ceil(n/8), bits)`` and float32
     ``(groups, 2)`` tensors on x's device, written instead of new ones (a caller that
-    encodes the same size again and again keeps them).
+    encodes the same size again and again keeps them). ``error_out``: optional contiguous
+    float32 tensor of x's shape and device that receives the compression error, ``x`` minus
+    its values ``min + unit·q`` in float32 (as :func:`cgx_decode` computes them, before the
+    cast to x's dtype), for error feedback; on the CPU computed while each group is in cache.
 
     Example::
 
@@ -72,6 +75,9 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
     n = x.numel()
     groups = -(-n // bucket_size)
     levels = (1 << bits) - 1
+    error = None if error_out is None else _out(error_out, x.shape, torch.float32, x.device,
+                                                "error_out")
+    fused = error is not None and be == "cpu" and bucket_size % 8 == 0  # in the encode's pass
     if be == "reference":
         if check_finite:
             _finite_absmax(x, None, be)
@@ -97,14 +103,18 @@ def cgx_encode(x, bits, bucket_size=512, *, rounding="stochastic", seed=0, check
             meta2 = _arr(meta).reshape(groups, 2)
             if bucket_size % 8 == 0:  # one read of x
                 k.cgx_meta_encode(_arr(xf), bucket_size, bits, stochastic, rng_key(seed), meta2,
-                                  _arr(payload))
+                                  _arr(payload), *((_arr(error).reshape(-1),) if fused else ()))
             else:
                 k.cgx_meta(_arr(xf), bucket_size, levels, meta2)
                 k.cgx_encode(_arr(xf), meta2, bucket_size, bits, stochastic, rng_key(seed),
                              _arr(payload))
             if check_finite and not bool(torch.isfinite(meta).all()):
                 raise _nan_error()
-    return CGXPacked(payload.to(x.device), meta, tuple(x.shape), x.dtype, bits, bucket_size)
+    packed = CGXPacked(payload.to(x.device), meta, tuple(x.shape), x.dtype, bits, bucket_size)
+    if error is not None and not fused:
+        values = cgx_decode(packed._replace(dtype=torch.float32), backend=be)
+        torch.sub(x.detach().float(), values, out=error)
+    return packed
 
 
 def cgx_decode(packed, *, out=None, backend="auto"):

@@ -897,9 +897,10 @@ def _cgx_inverse(unit):
 
 
 @_jit(parallel=True, error_model="numpy")
-def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck):
+def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, error, nck):
     """Quantize groups to b bits and pack 8 codes into b bytes, little-endian (first scanning
-    each group for its min and max when ``with_meta``: one read of ``x``).
+    each group for its min and max when ``with_meta``: one read of ``x``; with a non-empty
+    ``error``, each group's ``x - (min + unit·q)`` is written there while it is in cache).
 
     Groups of a multiple of 8 elements run in ``nck`` parallel chunks of whole groups. A
     group's codes (float32 arithmetic, a vectorised loop over pairs) go straight into the
@@ -924,6 +925,7 @@ def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck)
     groups = meta.shape[0]
     for k in prange(nck):
         codes = np.empty(0 if bits == 4 or bits == 8 else bucket, dtype=np.uint8)  # to pack
+        unpacked = np.empty(bucket if error.size and bits != 8 else 0, dtype=np.uint8)
         first, stop = _bounds(groups, nck, k)
         for g in range(first, stop):
             start = g * bucket
@@ -940,6 +942,13 @@ def _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, with_meta, nck)
                 _cgx_group_codes(group, lo, inv, levels, stochastic, key, start, codes, False)
                 codes[size:] = 0
                 _cgx_pack(codes, bits, block)
+            if error.size:
+                part = error[start:start + size]
+                if bits == 8:
+                    _cgx_error(group, block, lo, meta[g, 1], part)
+                else:
+                    _cgx_unpack(block, bits, unpacked)
+                    _cgx_error(group, unpacked, lo, meta[g, 1], part)
 
 
 def _group_chunks(groups, n):
@@ -949,16 +958,28 @@ def _group_chunks(groups, n):
 
 def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
     """CGX codes of ``x`` by the given ``(min, unit)`` per group, packed into ``payload``."""
-    _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, False,
+    _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, False, _NO_ERROR,
                 _group_chunks(meta.shape[0], x.size))
 
 
-def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
+def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload, error=None):
     """:func:`cgx_meta` and :func:`cgx_encode` in one read of ``x`` (``bucket`` a multiple of
-    8): each group is scanned for its min and max, then coded from the cache. A group
-    holding NaN or Inf gets a non-finite meta (the caller checks ``meta``)."""
+    8): each group is scanned for its min and max, then coded from the cache, and its
+    compression error ``x - (min + unit·q)`` (float32, as :func:`cgx_decode` computes the
+    value) written into ``error`` where given. A group holding NaN or Inf gets a non-finite
+    meta (the caller checks ``meta``)."""
     _cgx_encode(x, meta, bucket, bits, stochastic, key, payload, True,
-                _group_chunks(meta.shape[0], x.size))
+                _NO_ERROR if error is None else error, _group_chunks(meta.shape[0], x.size))
+
+
+_NO_ERROR = np.empty(0, dtype=np.float32)
+
+
+@njit(error_model="numpy")
+def _cgx_error(x, codes, lo, unit, error):
+    """``x - (lo + unit·q)`` of a group's codes (float32)."""
+    for t in range(error.size):
+        error[t] = x[t] - (lo + unit * np.float32(codes[t]))
 
 
 @njit

@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, float_target, into, take
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, compression_error, float_target,
+                                     into, take)
 from qsync_lab.kernels import (APS_ZERO_EXPONENT, absmax, aps_shift, float_decode_sum,
                                float_quantize)
 
@@ -43,13 +44,13 @@ def _exponents(x: torch.Tensor, segments, world: int) -> torch.Tensor:
     return out
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
     exponents = comm.allreduce_max(_exponents(x, segments, comm.world))
     check_finite(torch.where(exponents == _NONFINITE_EXPONENT, float("inf"), 0.0),
                  "an aps bucket")
     fmt, dtype = _FORMATS[spec.format], _DTYPES[spec.format]
     codes = take(workspace, "payload", x.numel(), torch.uint8, x.device)
-    values = take(workspace, "own", x.numel(), torch.float32, x.device)
+    values = take(workspace, "values", x.numel(), torch.float32, x.device)
     scales = []
     for (start, numel), exponent in zip(segments, exponents.tolist()):
         # an all-zero parameter on every rank has nothing to scale (its shift would
@@ -59,7 +60,8 @@ def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> 
                        out=(codes[start:start + numel].view(dtype), values[start:start + numel]))
         scales.append(scale)
     context = (segments, scales)
-    return Encoded(codes, context, _scaled(values, context).view(x.shape) if own else None)
+    return Encoded(codes, context, compression_error(x, _scaled(values, context), workspace)
+                   if error else None)
 
 
 def _scaled(values: torch.Tensor, context) -> torch.Tensor:

@@ -16,24 +16,25 @@ import torch
 
 from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_target, into,
                                      packed_parts, padded, take, unpack)
-from qsync_lab.kernels import cgx_decode, cgx_decode_mean, cgx_encode
+from qsync_lab.kernels import cgx_decode_mean, cgx_encode
 
 __all__ = ["encode", "reduce", "wire"]
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
     numel = x.numel()
     layout = ((torch.float32, 2 * -(-numel // spec.group_size)),
               (torch.uint8, -(-numel // 8) * spec.bits))
     data, (meta, payload) = packed_parts(workspace, x.device, *layout)
     # a non-finite group's meta is not finite: every rank sees it after the all-gather
+    # the error is written while each group is in cache
+    errors = take(workspace, "error", numel, torch.float32, x.device).view(x.shape) if error \
+        else None
     packed = cgx_encode(x, spec.bits, spec.group_size, rounding=spec.rounding, seed=seed,
-                        check_finite=False, out=(payload.view(-1, spec.bits), meta.view(-1, 2)))
-    finite = own and bool(torch.isfinite(packed.meta).all())
-    if finite:
-        own = take(workspace, "own", numel, torch.float32, x.device).zero_()
-        own = cgx_decode(packed, out=own).view(x.shape)
-    return Encoded(data, (packed, layout), own if finite else None)
+                        check_finite=False, out=(payload.view(-1, spec.bits), meta.view(-1, 2)),
+                        error_out=errors)
+    finite = error and bool(torch.isfinite(packed.meta).all())
+    return Encoded(data, (packed, layout), errors if finite else None)
 
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:

@@ -5,7 +5,7 @@ A method (one module each: :mod:`~qsync_lab.compress.fp16`, :mod:`~qsync_lab.com
 has three functions over one flat float32 gradient ``x`` holding one or more parameters
 (``segments``: their ``(start, numel)``):
 
-* ``encode(x, segments, spec, comm, seed, own=False, workspace=None) -> Encoded``: this
+* ``encode(x, segments, spec, comm, seed, error=False, workspace=None) -> Encoded``: this
   rank's payload (a scale all-reduce first where the method has one);
 * ``reduce(encoded, spec, comm, out=None, workspace=None) -> Tensor``: the collective and
   the decode: the mean over the ranks as the method computes it, written into ``out`` (the
@@ -14,8 +14,9 @@ has three functions over one flat float32 gradient ``x`` holding one or more par
   simulator.
 
 Both take their payload, gather and decode buffers from a :class:`Workspace` (the hook keeps
-one; without it they allocate). ``Encoded.own`` is this rank's gradient as the method
-compresses it (for error feedback and the telemetry's relative error). A rank whose
+one; without it they allocate). ``Encoded.error`` is this rank's compression error, ``x``
+minus its gradient as the method compresses it (for error feedback and the telemetry's
+relative error). A rank whose
 gradient holds NaN or Inf marks its payload (:data:`NONFINITE`), every rank sees the mark
 after the collective, and every rank raises :class:`NonFiniteGradient`: the ranks stop
 together, nothing is averaged silently.
@@ -29,7 +30,8 @@ import torch
 from qsync_lab.errors import QSyncError
 
 __all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "Workspace", "check_finite",
-           "float_target", "into", "packed_parts", "padded", "take", "unpack"]
+           "compression_error", "float_target", "into", "packed_parts", "padded", "take",
+           "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
@@ -46,12 +48,13 @@ class Encoded:
     Attributes:
         payload: the tensor the collective carries.
         context: whatever the method's ``reduce`` needs besides it (scales, shifts).
-        own: this rank's gradient as compressed (None when nobody asked for it).
+        error: ``x`` minus this rank's gradient as compressed, float32 (None when nobody
+            asked for it).
     """
 
     payload: torch.Tensor
     context: Any
-    own: torch.Tensor | None = None
+    error: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,14 @@ def check_finite(flags: torch.Tensor, what: str) -> None:
         raise NonFiniteGradient(f"a gradient of {what} holds NaN or Inf on some rank; the "
                                 "step is stopped on every rank (lower the learning rate, or "
                                 "check the data and the loss)")
+
+
+def compression_error(x: torch.Tensor, own: torch.Tensor,
+                      workspace: "Workspace | None" = None) -> torch.Tensor:
+    """``x - own`` (float32, x's shape) in the workspace's ``"error"`` buffer: the error of
+    ``own``, this rank's gradient as compressed."""
+    error = take(workspace, "error", x.numel(), torch.float32, x.device).view(x.shape)
+    return torch.sub(x, own.view(x.shape), out=error)
 
 
 def into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ Example::
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, into, take
+from qsync_lab.compress.codec import Encoded, Wire, check_finite, compression_error, into, take
 from qsync_lab.kernels import absmax
 
 __all__ = ["encode", "reduce", "wire"]
@@ -30,10 +30,11 @@ __all__ = ["encode", "reduce", "wire"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
     low = take(workspace, "payload", x.numel(), _DTYPES[spec.method], x.device)
     low.copy_(x.reshape(-1)).div_(comm.world)
-    return Encoded(low, None, low.float().mul_(comm.world).view(x.shape) if own else None)
+    return Encoded(low, None, compression_error(x, low.float().mul_(comm.world), workspace)
+                   if error else None)
 
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:

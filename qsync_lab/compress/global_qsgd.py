@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import NONFINITE, Encoded, Wire, check_finite, into, take
+from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, compression_error,
+                                     into, take)
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, global_qsgd_encode,
                                quantize_int8)
@@ -43,7 +44,7 @@ def levels(spec, world: int) -> int:
     return count
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
     amax = float(absmax(x))  # NaN or Inf when x holds one
     scale = torch.tensor([amax if math.isfinite(amax) else NONFINITE], dtype=torch.float32)
     comm.allreduce_max(scale)
@@ -51,8 +52,10 @@ def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> 
     m = float(scale)
     if spec.dithering == "exponential":
         codes = global_qsgd_encode(x, m, comm.world, dithering="exponential", seed=seed)
-        decoded = global_qsgd_decode(codes, m, comm.world, dithering="exponential") if own else None
-        return Encoded(codes, m, decoded)
+        decoded = global_qsgd_decode(codes, m, comm.world, dithering="exponential") if error \
+            else None
+        return Encoded(codes, m, None if decoded is None
+                       else compression_error(x, decoded, workspace))
     count = levels(spec, comm.world)
     unit = m / count if m > 0 else 1.0
     if spec.bits == 8:
@@ -63,7 +66,8 @@ def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> 
         generator = torch.Generator().manual_seed(seed)
         codes = torch.floor(x / unit + torch.rand(x.shape, generator=generator)).to(torch.int32)
         payload = pair16(codes.reshape(-1), count) if spec.bits == 16 else codes
-    return Encoded(payload, (unit, count, x.numel()), codes.float().mul_(unit) if own else None)
+    return Encoded(payload, (unit, count, x.numel()),
+                   compression_error(x, codes.float().mul_(unit), workspace) if error else None)
 
 
 def pair16(codes: torch.Tensor, count: int) -> torch.Tensor:

@@ -257,18 +257,18 @@ class CompressionState:
         measure = self.record and self.calls % self.error_every == 0
         self.calls += 1
         encoded = module.encode(x, segments, spec, comm, seed,
-                                own=spec.error_feedback or measure, workspace=self.workspace)
-        if encoded.own is not None and spec.error_feedback:
+                                error=spec.error_feedback or measure, workspace=self.workspace)
+        if encoded.error is not None and spec.error_feedback:
             for name, (start, n) in zip(group.names, segments):
-                part, own = x[start:start + n], encoded.own[start:start + n]
+                error = encoded.error[start:start + n]
                 if name in self.residuals:  # the residual's memory is reused
-                    torch.sub(part, own, out=self.residuals[name])
+                    self.residuals[name].copy_(error)
                 else:
-                    self.residuals[name] = part - own
+                    self.residuals[name] = error.clone()
         encode_s = time.perf_counter() - begin - (comm.seconds - comm_begin)
         error_sq = norm_sq = 0.0
-        if encoded.own is not None and measure:
-            error_sq, norm_sq = l2norm(encoded.own - x) ** 2, l2norm(x) ** 2
+        if encoded.error is not None and measure:
+            error_sq, norm_sq = l2norm(encoded.error) ** 2, l2norm(x) ** 2
         begin, comm_mid = time.perf_counter(), comm.seconds
         module.reduce(encoded, spec, comm, out=x, workspace=self.workspace)  # the mean
         comm_s = comm.seconds - comm_begin

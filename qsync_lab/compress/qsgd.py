@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, float_target, into,
-                                     packed_parts, padded, take)
+from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, compression_error,
+                                     float_target, into, packed_parts, padded, take)
 from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_decode_sum, qsgd_encode
 
 __all__ = ["encode", "levels", "reduce", "wire"]
@@ -24,7 +24,7 @@ def levels(spec) -> int:
     return 2 ** (spec.bits - 1) - 1
 
 
-def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> Encoded:
+def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
     numel = x.numel()
     data, (norm_part, codes) = packed_parts(workspace, x.device, (torch.float32, 1),
                                             (torch.int8, numel))
@@ -37,8 +37,8 @@ def encode(x, segments, spec, comm, seed, own: bool = False, workspace=None) -> 
         norm = NONFINITE
     norm_part.fill_(norm)
     return Encoded(data, numel,
-                   qsgd_decode(codes, norm, levels(spec)).view(x.shape) if own and finite
-                   else None)
+                   compression_error(x, qsgd_decode(codes, norm, levels(spec)), workspace)
+                   if error and finite else None)
 
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:

@@ -178,9 +178,34 @@ ALL_METHODS = ["fp16", "bf16", "global_qsgd:8", "global_qsgd:16",
                {"method": "cgx", "bits": 3, "group_size": 100}, "qsgd:8"]
 
 
+def _errors_against_one_rank_means(rank, world, specs):
+    """Per spec: whether the compression error equals ``x`` minus the 1-rank mean (this rank's
+    gradient as compressed) bit for bit, and its norm relative to ``x``'s."""
+    comm, out = Comm(None), []
+    x = gradient(rank)
+    segments = [(0, 1024), (1024, N - 1024)]
+    for spec in map(CompressionSpec.parse, specs):
+        module = method_module(spec)
+        encoded = module.encode(x.clone(), segments, spec, comm, seed=1, error=True,
+                                workspace=Workspace())
+        error = encoded.error.clone()
+        mean = module.reduce(encoded, spec, comm, out=torch.empty(N))
+        out.append((spec.key, torch.equal(error, x - mean), float(error.norm() / x.norm())))
+    return out
+
+
+def test_the_compression_error_is_the_gradient_minus_its_compressed_value():
+    """What error feedback keeps and the telemetry measures: every method's ``error`` is
+    ``x - Q(x)``, with ``Q(x)`` what the method's reduce gives on one rank."""
+    (rows,) = run_ranks(_errors_against_one_rank_means, 1, ALL_METHODS)
+    for key, exact, relative in rows:
+        assert exact and 0 < relative < 0.5, (key, relative)
+
+
 def _with_and_without_workspace(rank, world, specs):
-    """Per spec, the mean and own-gradient of three calls (sizes N, N/2 + 3, N) through one
-    shared workspace and through fresh buffers, and the workspace's size after each call."""
+    """Per spec, the mean and compression error of three calls (sizes N, N/2 + 3, N) through
+    one shared workspace and through fresh buffers, and the workspace's size after each
+    call."""
     comm, workspace = Comm(None), Workspace()
     out = []
     for spec in map(CompressionSpec.parse, specs):
@@ -190,14 +215,14 @@ def _with_and_without_workspace(rank, world, specs):
             segments = [(0, min(1024, numel)), (min(1024, numel), numel - min(1024, numel))]
             results = []
             for ws in (workspace, None):
-                encoded = module.encode(x.clone(), segments, spec, comm, seed=call, own=True,
+                encoded = module.encode(x.clone(), segments, spec, comm, seed=call, error=True,
                                         workspace=ws)
-                own = None if encoded.own is None else encoded.own.clone()
+                error = None if encoded.error is None else encoded.error.clone()
                 mean = module.reduce(encoded, spec, comm, out=torch.empty(numel), workspace=ws)
-                results.append((mean.clone(), own))
-            (mean_ws, own_ws), (mean_new, own_new) = results
+                results.append((mean.clone(), error))
+            (mean_ws, error_ws), (mean_new, error_new) = results
             out.append((spec.key, call, torch.equal(mean_ws, mean_new),
-                        own_new is None or torch.equal(own_ws, own_new), workspace.nbytes))
+                        error_new is None or torch.equal(error_ws, error_new), workspace.nbytes))
     return out
 
 
@@ -206,8 +231,8 @@ def test_a_shared_workspace_gives_the_results_of_fresh_buffers():
     call no larger than an earlier one takes no new memory."""
     results = run_ranks(_with_and_without_workspace, 3, ALL_METHODS)
     for rows in results:
-        for key, call, same_mean, same_own, _ in rows:
-            assert same_mean and same_own, (key, call)
+        for key, call, same_mean, same_error, _ in rows:
+            assert same_mean and same_error, (key, call)
         sizes = [nbytes for *_, nbytes in rows]
         assert sizes[-1] > 0
         for before, after, (_, call, *_) in zip(sizes, sizes[1:], rows[1:]):

@@ -170,6 +170,23 @@ def test_cgx_cpu_matches_reference(bits, rounding):
     assert ((da - x).abs() <= unit * (1.0 if rounding == "stochastic" else 0.5) + 1e-6).all()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+@pytest.mark.parametrize("bucket", [50, 64])  # decoded afterwards, and in the encode's pass
+def test_cgx_error_out_is_x_minus_the_decoded_values(backend, bits, bucket):
+    """Bit for bit ``x`` minus its float32 values ``min + unit·q``, fp16 input and a partial
+    last group included; ``error_out`` is overwritten."""
+    for x in (_g(1003).reshape(17, 59), _g(1003, seed=3).to(torch.float16)):
+        error = torch.full(x.shape, float("nan"))
+        packed = cgx_encode(x, bits, bucket, seed=2, backend=backend, error_out=error)
+        values = cgx_decode(packed._replace(dtype=torch.float32), backend="reference")
+        assert torch.equal(error, x.float() - values)
+        same = cgx_encode(x, bits, bucket, seed=2, backend=backend)
+        assert torch.equal(packed.payload, same.payload)  # the codes do not change
+    with pytest.raises(QSyncError, match="error_out must be a contiguous"):
+        cgx_encode(x, bits, bucket, error_out=torch.empty(3))
+
+
 @pytest.mark.parametrize("bucket", [50, 64])  # code by code, and group by group in one read
 def test_cgx_cpu_matches_reference_on_signed_zeros_and_constant_groups(bucket):
     x = _g(640, seed=5)
