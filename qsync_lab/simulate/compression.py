@@ -49,9 +49,11 @@ from qsync_lab.simulate.prepare import PreparedGraph
 __all__ = ["BucketComm", "bucket_comm"]
 
 _FP32_BYTES = 4
-#: error feedback's bytes per element: the residual added (read 8, write 4), this rank's
-#: payload decoded (write 4) and the new residual (read 8, write 4)
-_FEEDBACK_BYTES = 28.0
+#: error feedback's bytes per element: the residual added (read 8, write 4), the error
+#: written (4: CGX writes it in its encode's pass; the other methods decode their payload and
+#: subtract, 12 more) and copied into the residual (read 4, write 4)
+_FEEDBACK_BYTES = 24.0
+_DECODED_ERROR_BYTES = 12.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
             spec, label = str(group.spec), group.spec.cost_label
             collective = (costs.allreduce_time_us if wire.collective == "allreduce"
                           else costs.allgather_time_us)(wire.payload_bytes, world, links)
-            feedback_bytes = _FEEDBACK_BYTES if group.spec.error_feedback else 0.0
+            feedback_bytes = (_FEEDBACK_BYTES + (group.spec.method != "cgx") * _DECODED_ERROR_BYTES
+                              if group.spec.error_feedback else 0.0)
             encode = costs.compression_time_us(label, "encode", group.numel,
                                                wire.encode_bytes + feedback_bytes, device)
             decode = costs.compression_time_us(label, "decode", group.numel, wire.decode_bytes,
