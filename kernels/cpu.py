@@ -789,6 +789,26 @@ def _quantize_float_for(fmt):
     return kernel
 
 
+@functools.cache
+def _encode_scaled_for(fmt):
+    F = tuple(int(v) for v in fmt)
+    encode = ff_encode_narrow if floatfmt.is_narrow(F) else ff_encode
+
+    @_jit(parallel=True, error_model="numpy")
+    def kernel(x, scales, codes):
+        s = scales[0]
+        for j in prange(x.size):
+            codes[j] = encode(np.float32(x[j] / s).view(np.uint32), F)
+
+    return kernel
+
+
+def float_encode_scaled(x, scales, fmt, codes):
+    """Codes of float32 ``x / scales[0]`` in ``fmt`` (uint8 or uint16): the codes of
+    :func:`float_quantize` without its values."""
+    _encode_scaled_for(tuple(fmt))(x, scales, codes)
+
+
 def float_quantize(x, scales, fmt, codes, values):
     """Codes of float32 ``x / scales[0]`` in ``fmt`` (uint8 or uint16) and the float32 bits
     of their values (uint32 ``values``), in one pass: the rounding shares the encoding's

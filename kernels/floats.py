@@ -79,15 +79,18 @@ def _format_tuple(fmt):
     return _TORCH_FORMATS[_torch_format(fmt)]
 
 
-def float_encode(x, fmt, *, backend="auto", out=None):
+def float_encode(x, fmt, *, scale=None, backend="auto", out=None):
     """Cast to fp16, bf16, fp8 e4m3fn or fp8 e5m2: bit-exact with ``x.to(dtype)``.
 
     RNE with subnormals; fp16/bf16/e5m2 overflow to ±Inf, e4m3fn saturates to ±448 (Inf
-    included), as torch does; NaNs get torch's encodings.
+    included), as torch does; NaNs get torch's encodings. With ``scale``, the cast of
+    ``x.float() / scale`` (float32 division) in the same pass: the codes of
+    :func:`float_quantize`, without its values.
 
     Args:
         x: float32/float16/bfloat16 tensor.
         fmt: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", a Precision or the torch dtype.
+        scale: optional divisor, a float or a one-element tensor.
         backend: "auto", "cpu", "cuda" or "reference".
         out: optional contiguous tensor of the format's dtype, x's shape and device.
 
@@ -103,6 +106,10 @@ def float_encode(x, fmt, *, backend="auto", out=None):
     spec = _TORCH_FORMATS[dtype]
     be = _backend(x, backend)
     code_dtype = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    if scale is not None:
+        scale = torch.as_tensor(scale, dtype=torch.float32).to(x.device).reshape(1)
+        if be != "cpu":  # the division, then the cast
+            x = x.detach().float() / scale[0]
     if be == "reference":
         codes = ref.encode_format(x.detach().cpu().float().numpy(), spec)
         codes = torch.from_numpy(codes.astype("uint8" if dtype.itemsize == 1 else "uint16"))
@@ -110,7 +117,9 @@ def float_encode(x, fmt, *, backend="auto", out=None):
         return res if out is None else _into(res, _out(out, x.shape, dtype, x.device))
     out = _out(out, x.shape, dtype, x.device)
     xf = _f32(x.detach())
-    if x.numel():
+    if x.numel() and scale is not None and be == "cpu":
+        _kernels(be).float_encode_scaled(_arr(xf), _arr(scale), spec, _code_array(out))
+    elif x.numel():
         _kernels(be).float_encode(_arr(xf).view("uint32"), spec, _code_array(out))
     return out
 

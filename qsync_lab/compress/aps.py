@@ -20,7 +20,7 @@ import torch
 from qsync_lab.compress.codec import (Encoded, Wire, check_finite, compression_error, float_target,
                                      into, take)
 from qsync_lab.kernels import (APS_ZERO_EXPONENT, absmax, aps_shift, float_decode_sum,
-                               float_quantize)
+                               float_encode, float_quantize)
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -50,14 +50,18 @@ def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -
                  "an aps bucket")
     fmt, dtype = _FORMATS[spec.format], _DTYPES[spec.format]
     codes = take(workspace, "payload", x.numel(), torch.uint8, x.device)
-    values = take(workspace, "values", x.numel(), torch.float32, x.device)
+    # the codes' values too where the error is wanted, in the same pass
+    values = take(workspace, "values", x.numel(), torch.float32, x.device) if error else None
     scales = []
     for (start, numel), exponent in zip(segments, exponents.tolist()):
         # an all-zero parameter on every rank has nothing to scale (its shift would
         # underflow a float32 scale)
         scale = 1.0 if exponent == APS_ZERO_EXPONENT else 2.0 ** -aps_shift(exponent, fmt)
-        float_quantize(x[start:start + numel], spec.format, scale=scale,
-                       out=(codes[start:start + numel].view(dtype), values[start:start + numel]))
+        part, out = x[start:start + numel], codes[start:start + numel].view(dtype)
+        if error:
+            float_quantize(part, spec.format, scale=scale, out=(out, values[start:start + numel]))
+        else:
+            float_encode(part, spec.format, scale=scale, out=out)
         scales.append(scale)
     context = (segments, scales)
     return Encoded(codes, context, compression_error(x, _scaled(values, context), workspace)

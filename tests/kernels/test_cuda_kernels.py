@@ -66,6 +66,8 @@ def test_float_encode_and_round(fmt, dev):
     view = torch.uint8 if dtype.itemsize == 1 else torch.int16
     got = K.float_encode(x, fmt, backend="cuda").cpu()
     assert torch.equal(got.view(view), x.cpu().to(dtype).view(view))
+    scaled = K.float_encode(x, fmt, scale=0.37, backend="cuda").cpu()
+    assert torch.equal(scaled.view(view), (x.cpu() / 0.37).to(dtype).view(view))
     r = K.float_round(x, fmt, backend="cuda").cpu()
     want = x.cpu().to(dtype).float()
     nan = torch.isnan(want)

@@ -117,6 +117,9 @@ def test_float_quantize_is_scaled_encode_then_decode(name, scale, n):
         q = float_quantize(x, name, scale=scale, backend=backend)
         assert q.codes.dtype == FORMATS[name] and torch.equal(_bits(q.codes), _bits(want))
         assert torch.equal(_bits(q.values), _bits(float_decode(want)))  # NaNs included
+        codes = torch.empty(x.shape, dtype=FORMATS[name])  # the codes alone, in one pass too
+        assert float_encode(x, name, scale=scale, backend=backend, out=codes) is codes
+        assert torch.equal(_bits(codes), _bits(want))
 
 
 def test_float_quantize_reads_half_inputs_and_keeps_the_shape():
