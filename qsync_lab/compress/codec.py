@@ -16,10 +16,9 @@ has three functions over one flat float32 gradient ``x`` holding one or more par
 Both take their payload, gather and decode buffers from a :class:`Workspace` (the hook keeps
 one; without it they allocate). ``Encoded.error`` is this rank's compression error, ``x``
 minus its gradient as the method compresses it (for error feedback and the telemetry's
-relative error). A rank whose
-gradient holds NaN or Inf marks its payload (:data:`NONFINITE`), every rank sees the mark
-after the collective, and every rank raises :class:`NonFiniteGradient`: the ranks stop
-together, nothing is averaged silently.
+relative error). A rank whose gradient holds NaN or Inf marks its payload
+(:data:`NONFINITE`), every rank sees the mark after the collective, and every rank raises
+:class:`NonFiniteGradient`: the ranks stop together, nothing is averaged silently.
 """
 
 from dataclasses import dataclass

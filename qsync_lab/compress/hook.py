@@ -126,8 +126,8 @@ class CompressionState:
             of DDP's backend, so that they never interleave with DDP's own).
         seed: stochastic rounding streams (each rank and bucket call draws its own).
         telemetry: measure the compression error of every ``error_every``-th bucket call
-            (it takes a decode of the rank's own payload and two passes over the bucket;
-            the times and bits are counted on every call).
+            (it takes the method's compression error, a decode of the rank's own payload
+            for all but CGX, and two norms; the times and bits are counted on every call).
     """
 
     def __init__(self, model: nn.Module, settings, *, process_group=None, seed: int = 0,
