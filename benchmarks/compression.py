@@ -70,14 +70,20 @@ TARGET_PCT = 10.0
 # ----------------------------------------------------------------------------- 1. bucket
 
 
-def _bucket_rank(rank: int, world: int, port: int, repeats: int, results) -> None:
+def _bucket_rank(rank: int, world: int, port: int, repeats: int, results, device: str,
+                 backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":  # the ranks share the machine's GPUs
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     torch.set_num_threads(1)
     keep_freed_memory()  # as the training ranks (qsync_lab.hostmem)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     model = nn.Module()
     model.weight = nn.Parameter(torch.empty(BUCKET_SHAPE))
-    gradient = torch.randn(model.weight.numel(), generator=torch.Generator().manual_seed(rank))
+    gradient = torch.randn(model.weight.numel(),
+                           generator=torch.Generator().manual_seed(rank)).to(device)
     buffer = torch.empty_like(gradient)
     bucket = StandaloneBucket(model.weight, buffer)
     numel, ring = gradient.numel(), 2 * (world - 1) / world
@@ -96,10 +102,12 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results) -> Non
         for call in range(WARMUP + repeats):
             buffer.copy_(gradient)
             sent_before = sent.comm.sent_bytes if isinstance(sent, CompressionState) else 0.0
+            sync()
             dist.barrier()
             begin = time.perf_counter()
             hook().wait()
-            seconds = torch.tensor([time.perf_counter() - begin])
+            sync()
+            seconds = torch.tensor([time.perf_counter() - begin], device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             if call >= WARMUP:
                 slowest.append(float(seconds))
@@ -116,14 +124,16 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results) -> Non
         results.put(rows)
 
 
-def bucket_table(worlds, repeats: int) -> pd.DataFrame:
-    """Section 1: one row per (ranks, method)."""
+def bucket_table(worlds, repeats: int, device: str = "cpu",
+                 backend: str = "gloo") -> pd.DataFrame:
+    """Section 1: one row per (ranks, method), the buckets on ``device`` ("cpu" or "cuda")."""
     rows = []
     for world in worlds:
         context = mp.get_context("spawn")
         results = context.Queue()
         port = 29500 + (os.getpid() + world) % 2000
-        processes = [context.Process(target=_bucket_rank, args=(r, world, port, repeats, results))
+        processes = [context.Process(target=_bucket_rank, args=(r, world, port, repeats, results,
+                                                               device, backend))
                      for r in range(world)]
         for process in processes:
             process.start()
@@ -186,23 +196,30 @@ def main() -> None:
     parser.add_argument("--digits-steps", type=int, default=300)
     parser.add_argument("--resnet-steps", type=int, default=40)
     parser.add_argument("--skip-runs", action="store_true", help="only the bucket table")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the buckets live (cuda: rank r on GPU r modulo the count)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"),
+                        help="collectives (default: gloo for cpu, nccl for cuda)")
     parser.add_argument("--profile", type=Path, action="append", default=[],
                         help="predict the runs with this profile (default: the shipped one)")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
     if args.repeats < 20:
         parser.error("--repeats must be at least 20 (medians of fewer calls are noise here)")
-    report = [f"compressed gradient communication, gloo on {os.cpu_count()} cores, torch "
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    where = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+             if args.device == "cuda" else f"{os.cpu_count()} cores")
+    report = [f"compressed gradient communication, {backend} on {where}, torch "
               f"{torch.__version__}, 1 intra-op thread per rank; {load_line('before')}", "",
               f"1. one 25 MiB fp32 bucket ({BUCKET_SHAPE[0]} x {BUCKET_SHAPE[1]} weight), hook "
               f"call to completed future, slowest rank, median of {args.repeats} "
               f"(min-max beside it); x_fp32 = time / the fp32 allreduce's"]
-    buckets = bucket_table(args.worlds, args.repeats)
-    report.append(buckets.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    buckets = bucket_table(args.worlds, args.repeats, args.device, backend)
+    report.append(buckets.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     two = buckets[buckets["ranks"] == 2].set_index("method")["median_ms"]
-    fp32, fp16 = two.iloc[0], two.loc["torch fp16_compress_hook"]
     for spec in ("global_qsgd:8", "aps:fp8_e5m2", "cgx:8", "qsgd:8"):
         if spec in two:
+            fp32, fp16 = two.iloc[0], two.loc["torch fp16_compress_hook"]
             verdict = ("MET" if two[spec] <= 0.5 * fp32 and two[spec] < fp16 else "MISSED")
             report.append(f"target 8-bit {spec} on 2 ranks <= 0.5x fp32 ({0.5 * fp32:.2f} ms) "
                           f"and < torch fp16 hook ({fp16:.2f} ms): {two[spec]:.2f} ms {verdict}")

@@ -1,6 +1,7 @@
 """Throughput of the quantization kernels beside memory bandwidth and torch equivalents.
 
-Run: ``.venv/bin/python benchmarks/kernels.py [--elements 67108864] [--repeats 5] [--only TEXT]``
+Run: ``.venv/bin/python benchmarks/kernels.py [--elements 67108864] [--repeats 5] [--only TEXT]
+[--devices cpu cuda]``
 
 For each routine on a float32 input of ``--elements`` elements it prints GB/s of bytes read
 plus bytes written (counted per element in the ``B/elem`` column; fused routines count every
@@ -68,7 +69,7 @@ def _per_channel(x):
 def _routines(x):
     """(name, bytes per element, ours, ours with out= or None, torch equivalent or None)."""
     amax = float(x.abs().max())
-    scale = torch.tensor(amax / 127)
+    scale = torch.tensor(amax / 127, device=x.device)
     codes = K.quantize_int8(x).codes
     inv = 127 / amax
     o8 = torch.empty_like(x, dtype=torch.int8)
@@ -95,9 +96,9 @@ def _routines(x):
     e5_rows = torch.stack([e5, e5])  # two ranks' gathered payloads
     q_rows = torch.stack([codes, codes])  # two ranks' QSGD codes
     q_norms = [float(amax), 2 * float(amax)]
-    q_scales = torch.tensor([[v / 127] for v in q_norms])
+    q_scales = torch.tensor([[v / 127] for v in q_norms], device=x.device)
     x2, cscale = _per_channel(x)
-    zp = torch.zeros(_CHANNELS, dtype=torch.long)
+    zp = torch.zeros(_CHANNELS, dtype=torch.long, device=x.device)
     c8 = torch.empty_like(x2, dtype=torch.int8)
     c32 = torch.empty_like(x2)
     ccodes = K.quantize_int8(x2, axis=-1).codes
@@ -203,14 +204,28 @@ def _table(x, repeats, sync, label, only=None):
     for name, bpe, ours, ours_out, theirs in _routines(x):
         if only and not any(o.lower() in name.lower() for o in only):
             continue
-        gbs = [bpe * n / _median_s(f, repeats, sync) / 1e9 if f else None
-               for f in (ours, ours_out)]
-        t_gbs = bpe * n / _median_s(theirs, repeats, sync) / 1e9 if theirs else None
+        try:
+            gbs = [bpe * n / _median_s(f, repeats, sync) / 1e9 if f else None
+                   for f in (ours, ours_out)]
+        except Exception as err:  # noqa: BLE001 - one broken row must not hide the others
+            print(f"{name:34} FAILED: {type(err).__name__}: {str(err).splitlines()[0]}")
+            continue
+        t_gbs = _torch_gbs(theirs, bpe * n, repeats, sync)
         cols = [f"{g:>{w}.1f} {100 * g / copy_gbs:>4.0f}%" if g else f"{'-':>{w}} {'-':>5}"
                 for g, w in zip(gbs, (10, 9))]
         ratio = "/".join(f"{g / t_gbs:.2f}" if g else "-" for g in gbs) + "x" if t_gbs else "-"
         print(f"{name:34} {bpe:>6} {cols[0]} {cols[1]} "
               f"{f'{t_gbs:.1f}' if t_gbs else '-':>10} {ratio:>20}", flush=True)
+
+
+def _torch_gbs(theirs, nbytes, repeats, sync):
+    """The torch equivalent's GB/s, or None where there is none (or none on this device)."""
+    if theirs is None:
+        return None
+    try:
+        return nbytes / _median_s(theirs, repeats, sync) / 1e9
+    except (RuntimeError, NotImplementedError):  # e.g. a CPU-only quantized op
+        return None
 
 
 def main():
@@ -219,13 +234,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="run only routines whose name contains TEXT (repeatable)")
+    parser.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=["cpu", "cuda"],
+                        help="the tables to print (cuda: when CUDA is available)")
     args = parser.parse_args()
     x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"numba {numba.__version__} ({numba.get_num_threads()} threads); "
           f"load average {_load()} at start")
-    _table(x, args.repeats, lambda: None, "CPU", args.only)
-    if torch.cuda.is_available():
+    if "cpu" in args.devices:
+        _table(x, args.repeats, lambda: None, "CPU", args.only)
+    if "cuda" not in args.devices:
+        pass
+    elif torch.cuda.is_available():
         _table(x.cuda(), args.repeats, torch.cuda.synchronize,
                f"CUDA ({torch.cuda.get_device_name()})", args.only)
     else:

@@ -22,6 +22,7 @@ from .plumbing import (
     _kernels,
     _nan_error,
     _out,
+    exact_div_,
 )
 from .reductions import _finite_absmax
 from .rng import rng_key
@@ -173,7 +174,7 @@ def cgx_decode_mean(packs, *, out=None, backend="auto"):
         target.zero_()
         for p in packs:
             cgx_decode(p, out=target, backend=be)
-        target.div_(len(packs))
+        exact_div_(target, len(packs))
     elif n:
         _kernels(be).cgx_decode_mean([_arr(p.payload.contiguous()) for p in packs],
                                      [_arr(p.meta).reshape(-1, 2) for p in packs],

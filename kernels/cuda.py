@@ -4,9 +4,11 @@ Each public function here takes the same arguments as its ``cpu.py`` namesake (d
 arrays on a GPU; NumPy arrays under ``NUMBA_ENABLE_CUDASIM=1``) and launches a grid-stride
 kernel. Reductions use shared memory and one atomic per block (the simulator has no warp
 shuffles). The scalar numerics are the very functions of ``floatfmt.py`` and ``rng.py``
-compiled as device functions; float arithmetic is written so that fused multiply-adds
-cannot change a result (no ``a*b + c`` whose product is inexact), so a GPU matches the CPU
-and the reference bit for bit. Kernels compile on first launch.
+compiled as device functions. NVVM fuses ``a*b + c`` into one FMA (one rounding instead
+of two) whatever the fastmath setting, so every product whose rounding matters to a sum is
+taken with :func:`_mul` (``fmul_rn``, which is never fused): a GPU then matches the CPU and
+the reference bit for bit. Kernels compile on first launch and run on torch's current
+stream, so they order with the torch work before and after them.
 """
 
 import math
@@ -30,6 +32,28 @@ TPB = 32 if SIMULATED else 256  # threads per block (a power of two)
 MAX_BLOCKS = 2 if SIMULATED else 8192
 SEGMENT = 8 * TPB  # elements per block-step of the abs-max reduction
 _UNIT24 = np.float32(2.0**-24)
+
+
+if SIMULATED:
+
+    @_device
+    def _mul(a, b):
+        return a * b
+
+else:
+    from numba.cuda import libdevice
+
+    _mul = libdevice.fmul_rn  # float32 a * b, rounded, never fused into an FMA
+
+
+def _stream():
+    """Torch's current CUDA stream (0, the default, in the simulator): a kernel runs in order
+    with the torch work around it, as a torch op would, in any stream context."""
+    if SIMULATED:
+        return 0
+    import torch
+
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
 def _blocks(n):
@@ -165,7 +189,7 @@ def _dequantize_sum_kernel(q, stride, scales, divisor, out):
     for j in range(cuda.grid(1), n, cuda.gridsize(1)):
         s = np.float32(0)
         for r in range(scales.size):
-            s += np.float32(q[r * stride + j]) * scales[r]
+            s += _mul(np.float32(q[r * stride + j]), scales[r])
         out[j] = s / divisor
 
 
@@ -270,7 +294,7 @@ def _cgx_encode_kernel(x, meta, bucket, bits, stochastic, key, payload):
                 if stochastic:
                     h = rng_bits(key, j >> 1) >> (16 * (j & 1))
                     r = np.float32(h & 0xFFFF) * np.float32(2.0**-16)
-                v = (x[j] - meta[g, 0]) * inv + r
+                v = _mul(x[j] - meta[g, 0], inv) + r
                 v = v if v >= 0 else np.float32(0)  # NaN (a marked group) too
                 q = int(math.floor(min(v, np.float32(levels))))
                 acc |= q << (t * bits)
@@ -291,7 +315,7 @@ def _cgx_decode_kernel(payload, meta, bucket, bits, accumulate, out):
             if j < n:
                 g = j // bucket
                 q = np.float32((acc >> (t * bits)) & mask)
-                value = meta[g, 0] + meta[g, 1] * q
+                value = meta[g, 0] + _mul(meta[g, 1], q)
                 out[j] = out[j] + value if accumulate else value
 
 
@@ -304,72 +328,72 @@ def absmax_bits(xb, mask, inner, nch, out):
     Rows shorter than a block reduce with one atomic per element instead.
     """
     if inner < TPB and nch > 1:
-        _absmax_atomic_kernel[_blocks(xb.size), TPB](xb, mask, inner, nch, out)
+        _absmax_atomic_kernel[_blocks(xb.size), TPB, _stream()](xb, mask, inner, nch, out)
         return
     rows = xb.size // inner
     grid = max(1, min(MAX_BLOCKS, rows * -(-inner // SEGMENT)))
-    _absmax_kernel[grid, TPB](xb, mask, inner, nch, out)
+    _absmax_kernel[grid, TPB, _stream()](xb, mask, inner, nch, out)
 
 
 def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
-    _quantize_kernel[_blocks(x.size), TPB](x, scales, inner, nch, qmax, stochastic, key, out)
+    _quantize_kernel[_blocks(x.size), TPB, _stream()](x, scales, inner, nch, qmax, stochastic, key, out)
 
 
 def dequantize(q, scales, inner, nch, out):
-    _dequantize_kernel[_blocks(q.size), TPB](q, scales, inner, nch, out)
+    _dequantize_kernel[_blocks(q.size), TPB, _stream()](q, scales, inner, nch, out)
 
 
 def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out):
-    _fake_quantize_kernel[_blocks(x.size), TPB](
+    _fake_quantize_kernel[_blocks(x.size), TPB, _stream()](
         x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out
     )
 
 
 def float_encode(xb, fmt, out):
-    _float_encode_kernel[_blocks(xb.size), TPB](xb, fmt, out)
+    _float_encode_kernel[_blocks(xb.size), TPB, _stream()](xb, fmt, out)
 
 
 def float_decode(codes, table, out):
-    _float_decode_kernel[_blocks(codes.size), TPB](codes, table, out)
+    _float_decode_kernel[_blocks(codes.size), TPB, _stream()](codes, table, out)
 
 
 def float_decode_sum(codes, rows, stride, table, scale, out):
-    _float_decode_sum_kernel[_blocks(out.size), TPB](codes, rows, stride, table,
+    _float_decode_sum_kernel[_blocks(out.size), TPB, _stream()](codes, rows, stride, table,
                                                      np.float32(scale), out)
 
 
 def dequantize_sum(q, stride, scales, divisor, out):
-    _dequantize_sum_kernel[_blocks(out.size), TPB](q, stride, scales, np.float32(divisor), out)
+    _dequantize_sum_kernel[_blocks(out.size), TPB, _stream()](q, stride, scales, np.float32(divisor), out)
 
 
 def float_quantize(x, scales, fmt, codes, values):
-    _float_quantize_kernel[_blocks(x.size), TPB](x, scales, fmt, codes, values)
+    _float_quantize_kernel[_blocks(x.size), TPB, _stream()](x, scales, fmt, codes, values)
 
 
 def float_round(x, p1, p2, fmt, out):
-    _float_round_kernel[_blocks(x.size), TPB](
+    _float_round_kernel[_blocks(x.size), TPB, _stream()](
         x, x.view(np.uint32), np.float32(p1), np.float32(p2), fmt, out
     )
 
 
 def sum_squares(x, out):
-    _sum_squares_kernel[_blocks(x.size), TPB](x, out)
+    _sum_squares_kernel[_blocks(x.size), TPB, _stream()](x, out)
 
 
 def exp_dither_encode(x, m, key, out):
-    _exp_dither_encode_kernel[_blocks(x.size), TPB](x, np.float32(m), key, out)
+    _exp_dither_encode_kernel[_blocks(x.size), TPB, _stream()](x, np.float32(m), key, out)
 
 
 def exp_dither_decode(codes, m, out):
-    _exp_dither_decode_kernel[_blocks(codes.size), TPB](codes, np.float32(m), out)
+    _exp_dither_decode_kernel[_blocks(codes.size), TPB, _stream()](codes, np.float32(m), out)
 
 
 def cgx_meta(x, bucket, levels, meta):
-    _cgx_meta_kernel[max(1, min(MAX_BLOCKS, meta.shape[0])), TPB](x, bucket, levels, meta)
+    _cgx_meta_kernel[max(1, min(MAX_BLOCKS, meta.shape[0])), TPB, _stream()](x, bucket, levels, meta)
 
 
 def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
-    _cgx_encode_kernel[_blocks(payload.size // bits), TPB](
+    _cgx_encode_kernel[_blocks(payload.size // bits), TPB, _stream()](
         x, meta, bucket, bits, stochastic, key, payload
     )
 
@@ -381,5 +405,5 @@ def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
 
 
 def cgx_decode(payload, meta, bucket, bits, accumulate, out):
-    _cgx_decode_kernel[_blocks(payload.size // bits), TPB](payload, meta, bucket, bits,
+    _cgx_decode_kernel[_blocks(payload.size // bits), TPB, _stream()](payload, meta, bucket, bits,
                                                            accumulate, out)

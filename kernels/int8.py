@@ -25,6 +25,7 @@ from .plumbing import (
     _nan_error,
     _out,
     _rows_in_place,
+    exact_div_,
 )
 from .reductions import _finite_absmax
 from .rng import rng_key
@@ -135,7 +136,7 @@ def quantize_int8(x, *, axis=None, scale=None, rounding="nearest", seed=0, backe
     axis, inner, nch = _geometry(x, axis)
     if scale is None:
         amax = _finite_absmax(x, axis, be)
-        scale = (amax / 127).reshape(-1).contiguous()
+        scale = exact_div_(amax, 127).reshape(-1).contiguous()
         check = False
     else:
         scale = _channel_scales(scale, x, axis, nch)
@@ -276,7 +277,7 @@ def fake_quantize_int8(x, *, axis=None, rounding="nearest", seed=0, backend="aut
     be = _backend(x, backend)
     axis, inner, nch = _geometry(x, axis)
     amax = _finite_absmax(x, axis, be)
-    scale = (amax / 127).reshape(-1).contiguous()
+    scale = exact_div_(amax, 127).reshape(-1).contiguous()
     out_scale = scale.reshape(() if axis is None else (-1,))
     fmt = _OUT_FORMAT[x.dtype]
     if out is not None:

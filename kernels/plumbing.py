@@ -54,6 +54,19 @@ def _backend(x, backend):
     return backend
 
 
+def exact_div_(t: torch.Tensor, d: float) -> torch.Tensor:
+    """Divide ``t`` in place by the number ``d``, correctly rounded on every device, and
+    return it. (For a Python-number divisor, torch's CUDA kernels multiply by ``1/d``: a
+    second rounding, so the CPU and the GPU would differ in the last bit.)
+
+    Example::
+
+        >>> exact_div_(torch.tensor([1.0, 3.0]), 3).tolist()
+        [0.3333333432674408, 1.0]
+    """
+    return t.div_(torch.full((), d, dtype=t.dtype, device=t.device))
+
+
 def _kernels(backend):
     return _cuda() if backend == "cuda" else _cpu()
 

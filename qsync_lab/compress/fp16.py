@@ -24,6 +24,7 @@ import torch
 
 from qsync_lab.compress.codec import Encoded, Wire, check_finite, compression_error, into, take
 from qsync_lab.kernels import absmax
+from qsync_lab.kernels.plumbing import exact_div_
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -32,7 +33,7 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
     low = take(workspace, "payload", x.numel(), _DTYPES[spec.method], x.device)
-    low.copy_(x.reshape(-1)).div_(comm.world)
+    exact_div_(low.copy_(x.reshape(-1)), comm.world)
     return Encoded(low, None, compression_error(x, low.float().mul_(comm.world), workspace)
                    if error else None)
 

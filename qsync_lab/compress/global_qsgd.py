@@ -24,6 +24,7 @@ from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, co
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, global_qsgd_encode,
                                quantize_int8)
+from qsync_lab.kernels.plumbing import exact_div_
 
 __all__ = ["encode", "levels", "pair16", "reduce", "unpair16", "wire"]
 
@@ -106,7 +107,7 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
             value = global_qsgd_decode(codes, encoded.context, comm.world,
                                        dithering="exponential")
             total = value if total is None else total.add_(value)
-        return into(out, total.div_(comm.world))
+        return into(out, exact_div_(total, comm.world))
     total = comm.allreduce_sum(encoded.payload)
     unit, count, numel = encoded.context
     unit /= comm.world

@@ -19,7 +19,8 @@ and the hook itself never waits.
 
 Telemetry (:meth:`CompressionState.telemetry`): per method, the relative error of this
 rank's compressed gradient ``||Q(g) - g|| / ||g||``, the bits per element on the wire and
-the time spent encoding, communicating and decoding.
+the time spent encoding, communicating and decoding (host clock: for CUDA buckets, the time
+to launch the work and to wait where a result is read, not the kernels' own time).
 
 Example::
 
@@ -35,6 +36,7 @@ Example::
     >>> state.close(); dist.destroy_process_group()
 """
 
+import contextlib
 import queue
 import threading
 import time
@@ -52,6 +54,7 @@ from qsync_lab.compress.comm import Comm
 from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import l2norm
+from qsync_lab.kernels.plumbing import exact_div_
 
 __all__ = ["CompressionState", "StandaloneBucket", "compression_hook", "method_module",
            "register_compression"]
@@ -160,13 +163,20 @@ class CompressionState:
         return self._layouts[key]
 
     def submit(self, buffer: torch.Tensor, groups: tuple[Group, ...]) -> torch.futures.Future:
-        """Queue one bucket for the sender thread; its future holds the averaged buffer."""
-        future: torch.futures.Future = torch.futures.Future()
+        """Queue one bucket for the sender thread; its future holds the averaged buffer.
+
+        A CUDA bucket is reduced on the stream that produced it (the caller's current
+        stream), and its future is CUDA-aware: whoever waits on it waits for that stream.
+        """
+        cuda = buffer.is_cuda
+        future: torch.futures.Future = torch.futures.Future(
+            devices=[buffer.device] if cuda else None)
+        stream = torch.cuda.current_stream(buffer.device) if cuda else None
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="qsync-compress",
                                             daemon=True)
             self._thread.start()
-        self._queue.put((buffer, groups, future))
+        self._queue.put((buffer, groups, future, stream))
         return future
 
     def telemetry(self, reset: bool = True) -> dict[str, dict[str, float | None]]:
@@ -203,19 +213,19 @@ class CompressionState:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            buffer, groups, future = item
+            buffer, groups, future, stream = item
             if self._failed is not None:  # every rank failed at the same bucket
                 future.set_exception(self._failed)
                 continue
             try:
-                if buffer.is_cuda:
-                    torch.cuda.set_device(buffer.device)
-                # uncompressed groups are started first and finished last: their allreduce
-                # is in flight while the compressed groups run
-                finishes = [self._reduce_group(buffer, group) for group in groups]
-                for finish in finishes:
-                    finish()
-                future.set_result(buffer)
+                with (torch.cuda.stream(stream) if stream is not None
+                      else contextlib.nullcontext()):
+                    # uncompressed groups are started first and finished last: their
+                    # allreduce is in flight while the compressed groups run
+                    finishes = [self._reduce_group(buffer, group) for group in groups]
+                    for finish in finishes:
+                        finish()
+                    future.set_result(buffer)  # records the stream's progress (CUDA)
             except BaseException as err:  # noqa: BLE001 - handed to DDP through the future
                 self._failed = err
                 future.set_exception(err)
@@ -228,7 +238,7 @@ class CompressionState:
              else torch.cat([buffer[s:s + n] for s, n in group.slices]))
         comm = self.comm
         if group.spec is None:
-            wait = comm.allreduce_sum_started(x.div_(comm.world))
+            wait = comm.allreduce_sum_started(exact_div_(x, comm.world))
         else:
             x = self._mean(x, group)
 

@@ -1,4 +1,5 @@
-"""Run a function on several gloo ranks in spawned processes and collect what they return."""
+"""Run a function on several ranks (gloo unless asked) in spawned processes and collect what
+they return."""
 
 import multiprocessing
 import os
@@ -12,13 +13,13 @@ import torch.distributed as dist
 TIMEOUT_S = 300
 
 
-def run_ranks(fn, world: int, *args):
-    """``fn(rank, world, *args)`` on ``world`` spawned gloo ranks (one thread each); the
-    ranks' results in rank order. A rank's exception fails the call with its traceback."""
+def run_ranks(fn, world: int, *args, backend: str = "gloo"):
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks of ``backend`` (one thread each);
+    the ranks' results in rank order. A rank's exception fails the call with its traceback."""
     context = multiprocessing.get_context("spawn")
     init = f"file://{tempfile.mktemp(prefix='qsync-ranks-')}"
     results = context.Queue()
-    workers = [context.Process(target=_worker, args=(fn, rank, world, init, results, args),
+    workers = [context.Process(target=_worker, args=(fn, rank, world, init, results, args, backend),
                                daemon=True) for rank in range(world)]
     for worker in workers:
         worker.start()
@@ -39,11 +40,11 @@ def run_ranks(fn, world: int, *args):
     return [out[rank] for rank in range(world)]
 
 
-def _worker(fn, rank, world, init, results, args):
+def _worker(fn, rank, world, init, results, args, backend):
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         results.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))

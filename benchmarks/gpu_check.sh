@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, for a machine with CUDA, PyTorch, Numba and numba-cuda installed
+# (CI has no GPU; see README "GPU"). Logs go to $OUT (default: ./gpu_out).
+#   bash benchmarks/gpu_check.sh [step ...]   steps: tests kernels buckets hooks quant (default: all)
+#   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
+# Each step has its own time limit, so one stuck step cannot hide the others' results.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STEPS=${*:-tests kernels buckets hooks quant}
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+step() {  # step NAME SECONDS COMMAND...: run it, log it, say how it ended
+    local name=$1 limit=$2 begin=$SECONDS
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - begin)) s (limit $limit s)"
+    tail -n 25 "$OUT/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    $PY -c "import torch, numba; from importlib.metadata import version
+print('torch', torch.__version__, 'numba', numba.__version__, 'numba-cuda',
+      version('numba-cuda'), 'nccl', torch.cuda.nccl.version(), 'cpus', __import__('os').cpu_count())"
+} 2>&1 | tee "$OUT/env.log"
+if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1
+then  # the package's layout by links: qsync_lab/, with kernels/ and data/ inside it
+    echo "pip install failed ($(tail -n 1 "$OUT/install.log")): using a linked tree"
+    tree=$(mktemp -d) && cp -rs "$PWD/qsync_lab" "$tree/" \
+        && ln -s "$PWD/kernels" "$tree/qsync_lab/kernels" && ln -s "$PWD/data" "$tree/qsync_lab/data"
+    export PYTHONPATH=$tree:$PWD
+fi
+# numba-cuda 0.30 registers np.row_stack, which numpy 2.5 removed (the lent image pairs them):
+# alias it to np.vstack in every process of this run, before numba.cuda loads
+if ! $PY -c "import numpy; numpy.row_stack" 2> /dev/null; then
+    shim=$(mktemp -d)
+    printf 'import numpy\nnumpy.row_stack = numpy.vstack\n' > "$shim/sitecustomize.py"
+    export PYTHONPATH=$shim${PYTHONPATH:+:$PYTHONPATH}
+    echo "numpy $($PY -c 'import numpy; print(numpy.__version__)') has no row_stack: aliased"
+fi
+# numba-cuda needs libNVVM: from the toolkit's pip wheels, else from CUDA_HOME
+smoke='from numba import cuda; import numpy as np
+@cuda.jit
+def k(a): a[cuda.grid(1)] += 1
+a = cuda.to_device(np.zeros(64, np.float32)); k[1, 64](a); assert a.copy_to_host().sum() == 64
+print("numba-cuda kernel ran")'
+$PY -c "$smoke" 2>&1 | tail -1 || true
+if ! $PY -c "$smoke" > /dev/null 2>&1 && [ -d /usr/local/cuda ]; then
+    export CUDA_HOME=/usr/local/cuda
+    $PY -c "$smoke" 2>&1 | tail -1
+fi
+
+PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts=-ra -W default --gpu)
+for name in $STEPS; do
+    case $name in
+        tests) step tests 60 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
+        kernels) step kernels 90 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
+        hooks) step hooks "${HOOKS_LIMIT:-150}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
+                   ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
+        buckets) step buckets 80 $PY benchmarks/compression.py --device cuda --worlds 1 \
+                     --skip-runs --repeats 20 ;;
+        quant) step quant 90 "${PYTEST[@]}" -m gpu tests/quant ;;
+        *) echo "unknown step $name" ;;
+    esac
+done
