@@ -41,7 +41,7 @@ def _means_on_both_devices(rank, world, dtype):
             state = CompressionState(model, text, seed=5, telemetry=False)
             calls = []
             for _ in range(2):  # the second call adds the first one's error feedback
-                bucket = StandaloneBucket(model.weight, gradient.to(where))
+                bucket = StandaloneBucket(model.weight, gradient.to(where, copy=True))
                 calls.append(compression_hook(state, bucket).wait().cpu())
             state.close()
             per_device.append(calls)
