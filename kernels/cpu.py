@@ -1012,9 +1012,9 @@ def _min_max(x):
     bits = x.view(np.int32)
     lo = np.int32(0x7FFFFFFF)
     hi = np.int32(-0x80000000)
-    for t in range(x.size):
+    for t in range(x.size):  # int32 constants throughout: an int64 one widens the lanes
         b = bits[t]
-        key = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+        key = np.int32(b ^ np.int32(np.int32(b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
         lo = min(lo, key)
         hi = max(hi, key)
     return _ordered_float(lo), _ordered_float(hi)
