@@ -56,6 +56,11 @@ def _stream():
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
+def _launch(kernel, blocks):
+    """``kernel`` configured for ``blocks`` blocks of ``TPB`` threads on torch's stream."""
+    return kernel[blocks, TPB, _stream()]
+
+
 def _blocks(n):
     return max(1, min(MAX_BLOCKS, -(-n // TPB)))
 
@@ -328,72 +333,72 @@ def absmax_bits(xb, mask, inner, nch, out):
     Rows shorter than a block reduce with one atomic per element instead.
     """
     if inner < TPB and nch > 1:
-        _absmax_atomic_kernel[_blocks(xb.size), TPB, _stream()](xb, mask, inner, nch, out)
+        _launch(_absmax_atomic_kernel, _blocks(xb.size))(xb, mask, inner, nch, out)
         return
     rows = xb.size // inner
     grid = max(1, min(MAX_BLOCKS, rows * -(-inner // SEGMENT)))
-    _absmax_kernel[grid, TPB, _stream()](xb, mask, inner, nch, out)
+    _launch(_absmax_kernel, grid)(xb, mask, inner, nch, out)
 
 
 def quantize(x, scales, inner, nch, qmax, stochastic, key, out):
-    _quantize_kernel[_blocks(x.size), TPB, _stream()](x, scales, inner, nch, qmax, stochastic, key, out)
+    _launch(_quantize_kernel, _blocks(x.size))(x, scales, inner, nch, qmax, stochastic, key, out)
 
 
 def dequantize(q, scales, inner, nch, out):
-    _dequantize_kernel[_blocks(q.size), TPB, _stream()](q, scales, inner, nch, out)
+    _launch(_dequantize_kernel, _blocks(q.size))(q, scales, inner, nch, out)
 
 
 def fake_quantize(x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out):
-    _fake_quantize_kernel[_blocks(x.size), TPB, _stream()](
+    _launch(_fake_quantize_kernel, _blocks(x.size))(
         x, scales, inner, nch, stochastic, key, out_fmt, out, sse_out
     )
 
 
 def float_encode(xb, fmt, out):
-    _float_encode_kernel[_blocks(xb.size), TPB, _stream()](xb, fmt, out)
+    _launch(_float_encode_kernel, _blocks(xb.size))(xb, fmt, out)
 
 
 def float_decode(codes, table, out):
-    _float_decode_kernel[_blocks(codes.size), TPB, _stream()](codes, table, out)
+    _launch(_float_decode_kernel, _blocks(codes.size))(codes, table, out)
 
 
 def float_decode_sum(codes, rows, stride, table, scale, out):
-    _float_decode_sum_kernel[_blocks(out.size), TPB, _stream()](codes, rows, stride, table,
-                                                     np.float32(scale), out)
+    _launch(_float_decode_sum_kernel, _blocks(out.size))(codes, rows, stride, table,
+                                                         np.float32(scale), out)
 
 
 def dequantize_sum(q, stride, scales, divisor, out):
-    _dequantize_sum_kernel[_blocks(out.size), TPB, _stream()](q, stride, scales, np.float32(divisor), out)
+    _launch(_dequantize_sum_kernel, _blocks(out.size))(q, stride, scales, np.float32(divisor), out)
 
 
 def float_quantize(x, scales, fmt, codes, values):
-    _float_quantize_kernel[_blocks(x.size), TPB, _stream()](x, scales, fmt, codes, values)
+    _launch(_float_quantize_kernel, _blocks(x.size))(x, scales, fmt, codes, values)
 
 
 def float_round(x, p1, p2, fmt, out):
-    _float_round_kernel[_blocks(x.size), TPB, _stream()](
+    _launch(_float_round_kernel, _blocks(x.size))(
         x, x.view(np.uint32), np.float32(p1), np.float32(p2), fmt, out
     )
 
 
 def sum_squares(x, out):
-    _sum_squares_kernel[_blocks(x.size), TPB, _stream()](x, out)
+    _launch(_sum_squares_kernel, _blocks(x.size))(x, out)
 
 
 def exp_dither_encode(x, m, key, out):
-    _exp_dither_encode_kernel[_blocks(x.size), TPB, _stream()](x, np.float32(m), key, out)
+    _launch(_exp_dither_encode_kernel, _blocks(x.size))(x, np.float32(m), key, out)
 
 
 def exp_dither_decode(codes, m, out):
-    _exp_dither_decode_kernel[_blocks(codes.size), TPB, _stream()](codes, np.float32(m), out)
+    _launch(_exp_dither_decode_kernel, _blocks(codes.size))(codes, np.float32(m), out)
 
 
 def cgx_meta(x, bucket, levels, meta):
-    _cgx_meta_kernel[max(1, min(MAX_BLOCKS, meta.shape[0])), TPB, _stream()](x, bucket, levels, meta)
+    _launch(_cgx_meta_kernel, max(1, min(MAX_BLOCKS, meta.shape[0])))(x, bucket, levels, meta)
 
 
 def cgx_encode(x, meta, bucket, bits, stochastic, key, payload):
-    _cgx_encode_kernel[_blocks(payload.size // bits), TPB, _stream()](
+    _launch(_cgx_encode_kernel, _blocks(payload.size // bits))(
         x, meta, bucket, bits, stochastic, key, payload
     )
 
@@ -405,5 +410,5 @@ def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
 
 
 def cgx_decode(payload, meta, bucket, bits, accumulate, out):
-    _cgx_decode_kernel[_blocks(payload.size // bits), TPB, _stream()](payload, meta, bucket, bits,
-                                                           accumulate, out)
+    _launch(_cgx_decode_kernel, _blocks(payload.size // bits))(payload, meta, bucket, bits,
+                                                               accumulate, out)
