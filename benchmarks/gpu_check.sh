@@ -53,6 +53,8 @@ if ! $PY -c "$smoke" > /dev/null 2>&1 && [ -d /usr/local/cuda ]; then
     $PY -c "$smoke" 2>&1 | tail -1
 fi
 
+# no nbval or doctests there; the image's own warnings (numba-cuda's occupancy hints) are
+# reported, not turned into errors
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts=-ra -W default --gpu)
 for name in $STEPS; do
     case $name in
