@@ -22,7 +22,12 @@ the simulator's prediction of compressed runs.
    a large part of the step). Each run's ``summary.json`` gives the measured median step
    and the simulator's prediction of the same plan; the target is within 10 %.
 
-Run: ``.venv/bin/python benchmarks/compression.py [--repeats 20] [--profile CSV] [--out FILE]``.
+With ``--device cuda`` the buckets of section 1 live on the GPUs (rank r on GPU r modulo
+their count) and the collectives run on NCCL (``--backend gloo`` for gloo's CUDA path); NCCL
+needs one GPU per rank.
+
+Run: ``.venv/bin/python benchmarks/compression.py [--repeats 20] [--profile CSV] [--out FILE]
+[--device cuda --worlds 1 --skip-runs]``.
 """
 
 import os
@@ -217,9 +222,10 @@ def main() -> None:
     buckets = bucket_table(args.worlds, args.repeats, args.device, backend)
     report.append(buckets.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     two = buckets[buckets["ranks"] == 2].set_index("method")["median_ms"]
+    fp32, fp16 = ((two.iloc[0], two.loc["torch fp16_compress_hook"]) if len(two)
+                  else (None, None))  # no 2-rank table, no verdict
     for spec in ("global_qsgd:8", "aps:fp8_e5m2", "cgx:8", "qsgd:8"):
         if spec in two:
-            fp32, fp16 = two.iloc[0], two.loc["torch fp16_compress_hook"]
             verdict = ("MET" if two[spec] <= 0.5 * fp32 and two[spec] < fp16 else "MISSED")
             report.append(f"target 8-bit {spec} on 2 ranks <= 0.5x fp32 ({0.5 * fp32:.2f} ms) "
                           f"and < torch fp16 hook ({fp16:.2f} ms): {two[spec]:.2f} ms {verdict}")

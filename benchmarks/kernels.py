@@ -243,12 +243,10 @@ def main():
           f"load average {_load()} at start")
     if "cpu" in args.devices:
         _table(x, args.repeats, lambda: None, "CPU", args.only)
-    if "cuda" not in args.devices:
-        pass
-    elif torch.cuda.is_available():
+    if "cuda" in args.devices and torch.cuda.is_available():
         _table(x.cuda(), args.repeats, torch.cuda.synchronize,
                f"CUDA ({torch.cuda.get_device_name()})", args.only)
-    else:
+    elif "cuda" in args.devices:
         print("\nCUDA: not available, GPU table skipped")
     print(f"load average {_load()} at end")
 
