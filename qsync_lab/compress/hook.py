@@ -15,7 +15,9 @@ and a collective issued from a ``then`` callback runs on whichever thread comple
 previous one, so ranks can issue the buckets' collectives in different orders (gloo then
 mismatches them; PowerSGD's hook crashes gloo this way at three ranks). One thread that
 takes the buckets in DDP's order issues every collective in the same order on every rank,
-and the hook itself never waits.
+and the hook itself never waits. Its kernels run on as many Numba threads as the thread that
+created the state was set to (Numba's setting is per thread, so a rank or a profile that
+limits its own threads limits the hook's too).
 
 Telemetry (:meth:`CompressionState.telemetry`): per method, the relative error of this
 rank's compressed gradient ``||Q(g) - g|| / ||g||``, the bits per element on the wire and
@@ -38,6 +40,7 @@ Example::
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -152,6 +155,7 @@ class CompressionState:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._numba_threads = _numba_threads_to_set()
 
     def groups(self, bucket: dist.GradBucket) -> tuple[Group, ...]:
         """The bucket's parameter groups (cached by the bucket's parameters)."""
@@ -212,6 +216,8 @@ class CompressionState:
             self._thread = None
 
     def _run(self) -> None:
+        if self._numba_threads is not None:
+            sys.modules["numba"].set_num_threads(self._numba_threads)  # see the module doc
         while (item := self._queue.get()) is not None:
             buffer, groups, future, stream = item
             if self._failed is not None:  # every rank failed at the same bucket
@@ -300,6 +306,16 @@ class CompressionState:
             stats.decode_s += decode_s
             stats.error_sq += error_sq
             stats.norm_sq += norm_sq
+
+
+def _numba_threads_to_set() -> int | None:
+    """The calling thread's Numba thread count where a new thread would not get it by
+    default (it gets the whole pool), else None (Numba not loaded, or nothing to set)."""
+    numba = sys.modules.get("numba")
+    if numba is None or numba.config.NUMBA_NUM_THREADS == 1:
+        return None
+    threads = numba.get_num_threads()
+    return threads if threads != numba.config.NUMBA_NUM_THREADS else None
 
 
 def _contiguous(slices) -> bool:

@@ -61,6 +61,7 @@ from qsync_lab.graph import ddp_buckets, trace_graph
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.profile.allreduce import AlphaBetaFit
 from qsync_lab.profile.fit import LineFit
+from qsync_lab.profile.timing import spawned_numba_threads
 
 __all__ = ["BROADCAST_MLPS", "COMPRESSION_MLPS", "DEFAULT_MLPS", "broadcast_link_name",
            "copy_pass_us", "fit_buffer_broadcast", "fit_compressed_steps", "fit_ddp_link",
@@ -284,9 +285,10 @@ def _run(width: int, depth: int, world_size: int, threads: int, steps: int,
     DDP with the compression hook) for ``"compress:<spec>"``."""
     with tempfile.TemporaryDirectory() as folder:
         store, out = os.path.join(folder, "store"), os.path.join(folder, "ms")
-        mp.start_processes(_worker, args=(world_size, store, out, width, depth, threads,
-                                          steps, warmup, mode), nprocs=world_size,
-                           start_method="spawn")
+        with spawned_numba_threads(threads):
+            mp.start_processes(_worker, args=(world_size, store, out, width, depth, threads,
+                                              steps, warmup, mode), nprocs=world_size,
+                               start_method="spawn")
         with open(out) as f:
             first_ms, second_ms = map(float, f.read().split())
         return first_ms, second_ms

@@ -13,10 +13,14 @@ Example::
     >>> with intra_op_threads(1):
     ...     torch.get_num_threads()
     1
+    >>> with spawned_numba_threads(1):
+    ...     os.environ["NUMBA_NUM_THREADS"]
+    '1'
 """
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import statistics
 import time
@@ -27,7 +31,7 @@ import torch
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["intra_op_threads", "median_time_us", "run_metadata"]
+__all__ = ["intra_op_threads", "median_time_us", "run_metadata", "spawned_numba_threads"]
 
 _NS_PER_US = 1e3
 
@@ -53,6 +57,28 @@ def intra_op_threads(threads: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(torch_threads)
         numba.set_num_threads(numba_threads)
+
+
+@contextmanager
+def spawned_numba_threads(threads: int) -> Iterator[None]:
+    """Processes started in the block get a Numba pool of ``threads`` threads (the cores one
+    DDP rank will have), then the environment is restored.
+
+    A process sizes its pool from ``NUMBA_NUM_THREADS`` when it imports Numba, one thread
+    per core by default: spawned ranks that share a machine would each start that many,
+    and their parallel kernels (the compressors) would oversubscribe the cores.
+    """
+    if threads < 1:
+        raise QSyncError(f"threads must be a positive integer, got {threads}")
+    before = os.environ.get("NUMBA_NUM_THREADS")
+    os.environ["NUMBA_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["NUMBA_NUM_THREADS"]
+        else:
+            os.environ["NUMBA_NUM_THREADS"] = before
 
 
 def median_time_us(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
