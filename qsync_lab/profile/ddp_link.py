@@ -71,9 +71,9 @@ __all__ = ["BROADCAST_MLPS", "COMPRESSION_MLPS", "DEFAULT_MLPS", "broadcast_link
 DEFAULT_MLPS = ((64, 2), (64, 8), (64, 16), (512, 2), (512, 8), (512, 16))
 #: (width, depth) of the buffer-broadcast calibration MLPs (Linear+BatchNorm1d+ReLU blocks)
 BROADCAST_MLPS = ((64, 2), (64, 8), (512, 4))
-#: (width, depth) of the compressed-step calibration MLPs: 1 M to 17 M parameters (buckets
-#: of 1 MiB, DDP's first, to 25 MB)
-COMPRESSION_MLPS = ((512, 4), (512, 16), (1024, 8), (1024, 16))
+#: (width, depth) of the compressed-step calibration MLPs: 33 K to 17 M parameters (one
+#: bucket of 130 KB, as a small CNN has, to buckets of 1 MiB, DDP's first, and 25 MB)
+COMPRESSION_MLPS = ((64, 8), (512, 4), (512, 16), (1024, 8), (1024, 16))
 _BATCH = 16
 _FP32_BYTES = 4
 _COMPRESS_MODE = "compress:"
