@@ -1041,29 +1041,32 @@ def _cgx_group_codes(x, lo, inv, levels, stochastic, key, start, out, two_per_by
 @njit(error_model="numpy")
 def _cgx_run(x, lo, inv, levels, stochastic, key, j0, out, two_per_byte):
     """Codes of elements ``j0..`` (``j0`` even, no multiple of 2**33 crossed): one hash of
-    the pair index per two codes, its words in 32-bit lanes."""
+    the pair index per two codes, its words in 32-bit lanes (the low word counted in a
+    uint32 of its own: from the 64-bit loop index the lanes would be narrowed every step)."""
     high = np.uint32(j0 >> 33)
-    first = np.uint32((j0 >> 1) & 0xFFFFFFFF)
+    word = np.uint32((j0 >> 1) & 0xFFFFFFFF)
     pairs = x.size // 2
     if two_per_byte:
         for p in range(pairs):
-            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, key, first, high)
+            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, key, word, high)
             out[p] = np.uint8(np.int32(c0 + np.float32(16) * c1))  # one conversion a byte
+            word = np.uint32(word + np.uint32(1))
     else:
         for p in range(pairs):
-            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, key, first, high)
+            c0, c1 = _cgx_pair(x, p, lo, inv, levels, stochastic, key, word, high)
             out[2 * p] = np.uint8(c0)
             out[2 * p + 1] = np.uint8(c1)
+            word = np.uint32(word + np.uint32(1))
     if x.size % 2:
         c = np.uint8(_cgx_code(x[-1], lo, inv, levels, stochastic, key, j0 + x.size - 1))
         out[pairs if two_per_byte else x.size - 1] = c
 
 
 @njit(error_model="numpy")
-def _cgx_pair(x, p, lo, inv, levels, stochastic, key, first, high):
-    """The codes of ``x[2p]`` and ``x[2p + 1]`` as float32 (``first + p``: the pair index's
-    low word)."""
-    u0, u1 = (_pair_uniforms(_hash32(key, first + np.uint32(p), high))
+def _cgx_pair(x, p, lo, inv, levels, stochastic, key, word, high):
+    """The codes of ``x[2p]`` and ``x[2p + 1]`` as float32 (``word``: the pair index's low
+    word)."""
+    u0, u1 = (_pair_uniforms(_hash32(key, word, high))
               if stochastic else (np.float32(0.5), np.float32(0.5)))
     return (_cgx_clamp(np.floor((x[2 * p] - lo) * inv + u0), levels),
             _cgx_clamp(np.floor((x[2 * p + 1] - lo) * inv + u1), levels))
