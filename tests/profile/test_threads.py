@@ -36,3 +36,20 @@ def test_spawned_ranks_get_the_threads_in_their_environment(monkeypatch, before)
     with spawned_numba_threads(1):
         assert os.environ["NUMBA_NUM_THREADS"] == "1"
     assert os.environ.get("NUMBA_NUM_THREADS") == before
+
+
+def test_the_calibration_ranks_are_spawned_with_a_numba_pool_of_their_threads(monkeypatch):
+    from qsync_lab.profile import ddp_link
+
+    seen = []
+
+    def fake_start(worker, args, nprocs, start_method):  # records what a spawned rank inherits
+        seen.append(os.environ.get("NUMBA_NUM_THREADS"))
+        with open(args[2], "w") as f:  # the "out" file the ranks would write
+            f.write("1.0 2.0")
+
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    monkeypatch.setattr(ddp_link.mp, "start_processes", fake_start)
+    assert ddp_link._run(64, 2, 2, 1, 4, 1, "ddp") == (1.0, 2.0)
+    assert seen == ["1"]
+    assert "NUMBA_NUM_THREADS" not in os.environ
