@@ -18,8 +18,8 @@ Example::
 """
 
 from qsync_lab.policy.kinds import (PLANNABLE_KINDS, KindRule, allowed_precisions,
-                                    check_op_precision, function_refusal, kind_allows,
-                                    module_refusal)
+                                    check_op_precision, forward_refusal, function_refusal,
+                                    kind_allows, module_refusal, runs_natively)
 from qsync_lab.policy.op_precision import (DEFAULT_BACKWARD, FP8_PRECISIONS, GRANULARITIES,
                                            ROUNDINGS, OpPrecision)
 from qsync_lab.policy.resolve import (ROUNDED_OUTPUTS, KindPlan, PrecisionAssignment,
@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_BACKWARD", "FP8_PRECISIONS", "GRANULARITIES", "PLANNABLE_KINDS", "ROUNDED_OUTPUTS",
     "ROUNDINGS",
     "KindPlan", "KindRule", "OpPrecision", "PrecisionAssignment", "allowed_precisions",
-    "check_op_precision", "function_refusal", "kind_allows", "module_refusal",
-    "output_precision", "resolve_precisions", "storage_precision", "validate_plan",
+    "check_op_precision", "forward_refusal", "function_refusal", "kind_allows", "module_refusal",
+    "output_precision", "resolve_precisions", "runs_natively", "storage_precision",
+    "validate_plan",
 ]

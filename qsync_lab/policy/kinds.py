@@ -49,7 +49,8 @@ from qsync_lab.policy.op_precision import OpPrecision
 from qsync_lab.precision import Precision
 
 __all__ = ["PLANNABLE_KINDS", "KindRule", "allowed_precisions", "check_op_precision",
-           "function_refusal", "kind_allows", "module_refusal"]
+           "forward_refusal", "function_refusal", "kind_allows", "module_refusal",
+           "runs_natively"]
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,16 @@ class KindRule:
         replaces_forward: whether a low precision replaces the module's forward (GEMM
             kinds) rather than rounding its inputs and outputs (norms).
         functions: functional calls (operator names) a plan can set too.
+        native: the forward precisions a GPU runs with torch's own kernels (cuBLAS, cuDNN,
+            ``torch._int_mm``, ``torch._scaled_mm``); the others are emulated there
+            (:func:`runs_natively`).
     """
 
     precisions: frozenset[Precision]
     torch_class: str | None
     replaces_forward: bool
     functions: frozenset[str] = frozenset()
+    native: frozenset[Precision] = frozenset()
 
     @property
     def module_class(self) -> type | None:
@@ -79,20 +84,26 @@ class KindRule:
 
 _EVERY = frozenset(Precision)
 _NORM = frozenset({Precision.FP32, Precision.FP16, Precision.BF16})
+_FLOATS = frozenset({Precision.FP32, Precision.TF32, Precision.BF16, Precision.FP16})
+#: GEMMs with a native kernel in every precision a GPU has, but fp8 e5m2 operands
+#: (``torch._scaled_mm`` multiplies e4m3 by e4m3 or e5m2; e5m2 is the recipe's gradient)
+_GEMM_NATIVE = _FLOATS | {Precision.INT8, Precision.FP8_E4M3}
 
 #: op kind -> its rule; kinds not listed follow their inputs
 PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
     "linear": KindRule(_EVERY, "torch.nn.Linear", True,
-                       frozenset({"linear", "mha_in_projection"})),
-    "conv1d": KindRule(_EVERY, "torch.nn.Conv1d", True),
-    "conv2d": KindRule(_EVERY, "torch.nn.Conv2d", True),
-    "conv3d": KindRule(_EVERY, "torch.nn.Conv3d", True),
-    "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"})),
-    "embedding": KindRule(_EVERY - {Precision.TF32}, "torch.nn.Embedding", True),
-    "batch_norm": KindRule(_NORM, "torch.nn.modules.batchnorm._BatchNorm", False),
-    "layer_norm": KindRule(_NORM, "torch.nn.LayerNorm", False),
-    "group_norm": KindRule(_NORM, "torch.nn.GroupNorm", False),
-    "rms_norm": KindRule(_NORM, "torch.nn.RMSNorm", False),
+                       frozenset({"linear", "mha_in_projection"}), _GEMM_NATIVE),
+    "conv1d": KindRule(_EVERY, "torch.nn.Conv1d", True, native=_FLOATS),
+    "conv2d": KindRule(_EVERY, "torch.nn.Conv2d", True, native=_FLOATS),
+    "conv3d": KindRule(_EVERY, "torch.nn.Conv3d", True, native=_FLOATS),
+    # batched products: torch's int8 and fp8 GEMMs take 2-d operands only
+    "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"}), _FLOATS),
+    "embedding": KindRule(_EVERY - {Precision.TF32}, "torch.nn.Embedding", True,
+                          native=_NORM),
+    "batch_norm": KindRule(_NORM, "torch.nn.modules.batchnorm._BatchNorm", False, native=_NORM),
+    "layer_norm": KindRule(_NORM, "torch.nn.LayerNorm", False, native=_NORM),
+    "group_norm": KindRule(_NORM, "torch.nn.GroupNorm", False, native=_NORM),
+    "rms_norm": KindRule(_NORM, "torch.nn.RMSNorm", False, native=_NORM),
 })
 
 
@@ -140,6 +151,26 @@ def function_refusal(op_name: str, kind: str) -> str | None:
     return None
 
 
+def runs_natively(kind: str, precision: "Precision | str", device) -> bool:
+    """Whether ``device`` runs ops of ``kind`` in ``precision`` with torch's native kernels.
+
+    False on a device that emulates every precision (the CPU) and for the pairs a GPU
+    emulates (int8 and fp8 convolutions, batched matmuls and embeddings): the cost model
+    charges those as fp32 work plus the operands' encoding, so the allocator never picks
+    them to go faster.
+
+    Example::
+
+        >>> from qsync_lab.devices import load_catalog
+        >>> t4 = load_catalog().device("T4")
+        >>> runs_natively("linear", "int8", t4), runs_natively("conv2d", "int8", t4)
+        (True, False)
+    """
+    rule = PLANNABLE_KINDS.get(kind)
+    return (not device.emulated and rule is not None
+            and Precision.parse(precision) in rule.native)
+
+
 def check_op_precision(kind: str, spec: "str | Precision | OpPrecision | Mapping",
                        device=None) -> OpPrecision:
     """The config of ``spec`` if ops of ``kind`` may run it (on ``device`` when given).
@@ -158,7 +189,30 @@ def check_op_precision(kind: str, spec: "str | Precision | OpPrecision | Mapping
             raise QSyncError(f"{kind} ops cannot run {precision}; they take {allowed}")
         if device is not None:
             device.require(precision)
+    refusal = None if device is None else forward_refusal(cfg.forward, device)
+    if refusal:
+        raise QSyncError(refusal)
     return cfg
+
+
+def forward_refusal(precision: "Precision | str", device) -> str | None:
+    """Why ``device`` cannot run a forward pass in ``precision`` (a precision it supports),
+    or None if it can: a GPU has no fp8_e5m2 x fp8_e5m2 GEMM.
+
+    Example::
+
+        >>> from qsync_lab.devices import load_catalog
+        >>> catalog = load_catalog()
+        >>> forward_refusal("fp8_e5m2", catalog.device("cpu")) is None
+        True
+        >>> forward_refusal("fp8_e5m2", catalog.device("H100-SXM5-80GB")).split(" (")[0]
+        'H100-SXM5-80GB has no fp8_e5m2 x fp8_e5m2 GEMM'
+    """
+    if device.emulated or Precision.parse(precision) is not Precision.FP8_E5M2:
+        return None
+    return (f"{device.name} has no fp8_e5m2 x fp8_e5m2 GEMM (torch._scaled_mm multiplies "
+            "e4m3 operands; e5m2 is the FP8 recipe's gradient format): use fp8_e4m3, whose "
+            "backward runs in e5m2")
 
 
 def _follower_text(kind: str | None) -> str:

@@ -61,8 +61,8 @@ def projection_linear(cfg: OpPrecision, seeds: tuple[int, ...]):
     in-projection; the n-th GEMM rounds with ``seeds[2n]`` and ``seeds[2n + 1]``."""
     pairs = iter(zip(seeds[::2], seeds[1::2]))
 
-    def linear(x, weight, bias):
-        return bilinear(LinearKernel(), x, weight, bias, cfg, next(pairs))
+    def linear(x, weight, bias):  # the core runs in fp32: a native 16-bit output widens
+        return bilinear(LinearKernel(), x, weight, bias, cfg, next(pairs)).float()
     return linear
 
 

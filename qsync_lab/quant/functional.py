@@ -36,6 +36,7 @@ from qsync_lab.quant.functions import bilinear
 from qsync_lab.quant.gemm import LinearKernel, MatMulKernel
 from qsync_lab.quant.attention import projection_linear
 from qsync_lab.quant.modules import stream_seeds
+from qsync_lab.quant.native import fp32_inputs
 
 __all__ = ["FunctionalPrecisions", "functional_precisions", "low_precision_call"]
 
@@ -68,12 +69,15 @@ class FunctionalPrecisions(ScopedCalls):
     Attributes:
         configs: op FQN -> config of the planned calls.
         calls: op FQN -> how many times it ran (its stochastic-rounding stream).
+        fp32_calls: op FQNs of fp32 calls that a native fp16/bf16 op may feed: their
+            16-bit tensor arguments are widened to fp32.
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.configs: dict[str, OpPrecision] = {}
         self.calls: dict[str, int] = {}
+        self.fp32_calls: set[str] = set()  # fp32 calls whose 16-bit operands are widened
         self._seen: set[str] = set()
         self._checked = False
         self.attach()
@@ -91,6 +95,8 @@ class FunctionalPrecisions(ScopedCalls):
     def on_call(self, name, fn_name, func, args, kwargs):
         cfg = self.configs.get(name)
         if cfg is None:
+            if name in self.fp32_calls:
+                args = fp32_inputs(None, args)
             return func(*args, **kwargs)
         self._seen.add(name)
         call = self.calls[name]

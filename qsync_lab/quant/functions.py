@@ -16,6 +16,9 @@
 * :func:`precision_boundary`: rounds values forward and gradients backward; norms, softmax
   and activations sit between two of these (fp16/bf16 I/O, fp32 math inside).
 
+Each function runs torch's native kernels instead where :func:`~qsync_lab.quant.native.
+runs_native` says so (CUDA operands) and the pair has one (:mod:`~qsync_lab.quant.native`).
+
 Example::
 
     >>> import torch
@@ -42,6 +45,7 @@ from qsync_lab.quant.encoding import (
     round_to,
 )
 from qsync_lab.quant.gemm import BilinearKernel, float_product, fp8_product
+from qsync_lab.quant.native import native_bilinear, native_cast, native_embedding, runs_native
 
 
 def _forward_product(kernel: BilinearKernel, a: Encoded, b: Encoded,
@@ -135,6 +139,10 @@ def bilinear(kernel: BilinearKernel, a: torch.Tensor, b: torch.Tensor,
         cfg: forward/backward precisions, rounding and scale granularity.
         seeds: stochastic-rounding streams of ``a`` and ``b``.
     """
+    if runs_native(a):
+        out = native_bilinear(kernel, a, b, bias, cfg)
+        if out is not None:
+            return out
     return _Bilinear.apply(a, b, bias, kernel, cfg, seeds)
 
 
@@ -175,6 +183,10 @@ def embedding(indices: torch.Tensor, weight: torch.Tensor, cfg: OpPrecision, *,
     int8/fp8 scales are per tensor (the whole table's abs-max) or, with
     ``granularity="channel"``, per embedding row.
     """
+    if runs_native(weight):
+        rows = native_embedding(indices, weight, cfg, padding_idx, scale_grad_by_freq)
+        if rows is not None:
+            return rows
     return _Embedding.apply(indices, weight, cfg, -1 if padding_idx is None else padding_idx,
                             scale_grad_by_freq, seed)
 
@@ -203,4 +215,6 @@ def precision_boundary(x: torch.Tensor, forward: Precision, backward: Precision)
         >>> y.item(), x.grad.item()
         (0.333251953125, 0.333984375)
     """
+    if runs_native(x):
+        return native_cast(x, forward)
     return _Boundary.apply(x, forward, backward)

@@ -29,6 +29,7 @@ from qsync_lab.models.layers import MatMul
 from qsync_lab.policy import OpPrecision
 from qsync_lab.quant.functions import bilinear, embedding, precision_boundary
 from qsync_lab.quant.gemm import ConvKernel, LinearKernel, MatMulKernel
+from qsync_lab.quant.native import fp32_inputs, runs_native
 
 __all__ = ["LowPrecisionOp", "PrecisionBoundary", "QConv1d", "QConv2d", "QConv3d",
            "QEmbedding", "QLinear", "QMatMul", "low_precision_class", "stream_seeds"]
@@ -163,18 +164,24 @@ class PrecisionBoundary:
 
     ``before`` rounds the module's floating-point tensor inputs (and, backward, the
     gradients it returns) and ``after`` rounds its output (and the gradient it receives).
+    Natively (:func:`~qsync_lab.quant.native.runs_native`) they cast instead: a module with
+    ``fp32_inside`` (a norm, whose CUDA kernels want inputs of its parameters' dtype) takes
+    fp32 inputs, others (activations) fp16/bf16 ones, and both write fp16/bf16.
     """
 
-    def __init__(self, cfg: OpPrecision) -> None:
+    def __init__(self, cfg: OpPrecision, *, fp32_inside: bool = True) -> None:
         self.cfg = cfg
+        self.fp32_inside = fp32_inside
 
-    def _round(self, value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return precision_boundary(value, self.cfg.forward, self.cfg.backward_precision)
-        return value
+    def _round(self, value, *, entering: bool = False):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return value
+        if entering and self.fp32_inside and runs_native(value):
+            return fp32_inputs(None, (value,))[0]
+        return precision_boundary(value, self.cfg.forward, self.cfg.backward_precision)
 
     def before(self, module: nn.Module, args: tuple) -> tuple:
-        return tuple(self._round(a) for a in args)
+        return tuple(self._round(a, entering=True) for a in args)
 
     def after(self, module: nn.Module, args: tuple, output):
         return self._round(output)

@@ -61,7 +61,10 @@ class SwapHandler(OpHandler):
 
 
 class BoundaryHandler(OpHandler):
-    """fp16/bf16 I/O through :class:`PrecisionBoundary` hooks (fp32 math inside)."""
+    """fp16/bf16 I/O through :class:`PrecisionBoundary` hooks (fp32 math inside a norm)."""
+
+    def __init__(self, *, fp32_inside: bool = True) -> None:
+        self.fp32_inside = fp32_inside
 
     def apply(self, module, cfg, fqn):
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
@@ -72,7 +75,7 @@ class BoundaryHandler(OpHandler):
             if hasattr(module, "op_precision"):
                 del module.op_precision
             return
-        boundary = PrecisionBoundary(cfg)
+        boundary = PrecisionBoundary(cfg, fp32_inside=self.fp32_inside)
         module.register_forward_pre_hook(boundary.before)
         module.register_forward_hook(boundary.after)
         module.op_precision = cfg
@@ -81,7 +84,8 @@ class BoundaryHandler(OpHandler):
 _HANDLERS: dict[str, OpHandler] = {
     kind: SwapHandler(kind) if rule.replaces_forward else BoundaryHandler()
     for kind, rule in PLANNABLE_KINDS.items()}
-_HANDLERS["activation"] = BoundaryHandler()  # followers of 16-bit ops (runtime only)
+# followers of 16-bit ops (runtime only)
+_HANDLERS["activation"] = BoundaryHandler(fp32_inside=False)
 
 
 def handler_for(kind: str | None) -> OpHandler | None:

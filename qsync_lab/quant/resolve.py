@@ -5,7 +5,9 @@ decides what every other op runs in. :func:`apply_resolved_plan_` sets the plann
 (:func:`~qsync_lab.quant.apply_plan_`, which refuses nothing the policy accepted) and puts
 :class:`~qsync_lab.quant.modules.PrecisionBoundary` hooks on activation modules that
 inherit a 16-bit precision, so a run computes what the simulator costs. Other followers
-(views, pooling, functional activations) pass 16-bit values through unchanged.
+(views, pooling, functional activations) pass 16-bit values through unchanged. Natively
+(CUDA) fp16/bf16 ops write their dtype, so the fp32 GEMMs and norms of such a plan get
+fp32 inputs (a norm's or GEMM's kernels refuse a mix of dtypes).
 """
 
 from torch import nn
@@ -13,13 +15,17 @@ from torch import nn
 from qsync_lab.costs import op_work
 from qsync_lab.graph.kinds import function_kind, module_kind
 from qsync_lab.graph.records import op_name_of
-from qsync_lab.policy import (ROUNDED_OUTPUTS, KindPlan, OpPrecision, function_refusal,
-                              kind_allows, module_refusal, resolve_precisions)
+from qsync_lab.policy import (PLANNABLE_KINDS, ROUNDED_OUTPUTS, KindPlan, OpPrecision,
+                              function_refusal, kind_allows, module_refusal, resolve_precisions)
 from qsync_lab.precision import Precision
 from qsync_lab.quant.apply import apply_plan_
+from qsync_lab.quant.functional import functional_precisions
+from qsync_lab.quant.native import fp32_inputs
 from qsync_lab.quant.registry import handler_for
 
 __all__ = ["apply_op_precision_", "apply_resolved_plan_", "function_runs_in"]
+
+_GUARDED = "qsync_fp32_inputs"  # set on a module once it has the fp32-inputs hook
 
 
 def apply_resolved_plan_(model: nn.Module, graph, kind_plan: KindPlan,
@@ -42,17 +48,37 @@ def apply_resolved_plan_(model: nn.Module, graph, kind_plan: KindPlan,
     planned = {work.names[i]: cfg for i, cfg in assignment.planned.items()}
     apply_plan_(model, planned, device=device)
     modules = dict(model.named_modules())
-    applied = {}
+    applied, fp32_gemms = {}, []
     for i, (name, kind) in enumerate(zip(work.names, work.kinds)):
         cfg = assignment.config(i)
         if cfg.is_fp32:
+            if kind in PLANNABLE_KINDS and kind != "embedding":
+                fp32_gemms.append(name)
             continue
         if name in planned:
             applied[name] = str(cfg)
         elif kind == "activation" and name in modules:
             handler_for(kind).apply(modules[name], cfg, name)
             applied[name] = str(cfg)
+    if any(p in ROUNDED_OUTPUTS for p in assignment.output):
+        _guard_fp32_ops(model, modules, fp32_gemms)
     return applied
+
+
+def _guard_fp32_ops(model: nn.Module, modules: dict[str, nn.Module], names: list[str]) -> None:
+    """Give the fp32 GEMMs and norms fp32 inputs where a native fp16/bf16 op, which writes
+    its dtype, feeds them (:func:`~qsync_lab.quant.native.fp32_inputs`; no-op otherwise)."""
+    calls = []
+    for name in names:
+        module = modules.get(name, modules.get(_attention_of(name)))
+        if module is None:
+            calls.append(name)
+        if module is not None and not getattr(module, _GUARDED, False):
+            module.register_forward_pre_hook(fp32_inputs)
+            setattr(module, _GUARDED, True)
+    if calls:
+        controller = functional_precisions(model, create=True)
+        controller.fp32_calls.update(calls)
 
 
 def apply_op_precision_(module: nn.Module, precision: "Precision | str", fqn: str = "") -> bool:
@@ -80,3 +106,9 @@ def function_runs_in(fn_name: str, precision: "Precision | str") -> bool:
     """Whether a plan can run the functional call ``fn_name`` in ``precision``."""
     kind = function_kind(fn_name)
     return kind_allows(kind, precision) and function_refusal(op_name_of(fn_name), kind) is None
+
+
+def _attention_of(fqn: str) -> str | None:
+    """The attention module an in-projection op (``attn.in_proj``) belongs to, else None."""
+    scope, _, name = fqn.rpartition(".")
+    return scope if name == "in_proj" else None

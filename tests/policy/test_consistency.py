@@ -17,7 +17,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.indicator import indicator
 from qsync_lab.models import MatMul
-from qsync_lab.policy import DEFAULT_BACKWARD, PLANNABLE_KINDS
+from qsync_lab.policy import DEFAULT_BACKWARD, PLANNABLE_KINDS, forward_refusal
 from qsync_lab.precision import Precision
 from qsync_lab.quant import apply_plan_
 from qsync_lab.simulate import simulate
@@ -120,7 +120,8 @@ def test_every_reader_agrees_for_every_kind_precision_and_device(setup, tmp_path
                 if p is Precision.FP32:
                     continue
                 scored = fqn in scores.index and bool(pd_finite(scores.at[fqn, (str(p), "risk")]))
-                runs_on_device = device.supports(p) and device.supports(DEFAULT_BACKWARD[p])
+                runs_on_device = (device.supports(p) and device.supports(DEFAULT_BACKWARD[p])
+                                  and forward_refusal(p, device) is None)
                 verdict = {
                     "simulator": _simulated(graph, fqn, p, device, tmp_path),
                     "apply_plan_": _ran(model, fqn, p, device, runs),

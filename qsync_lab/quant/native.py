@@ -1,0 +1,289 @@
+"""Native low-precision operators: what a GPU runs for each precision, with torch's kernels.
+
+The exact emulation (:mod:`~qsync_lab.quant.functions`) reproduces a precision's numerics
+in fp32 arithmetic; it is the CPU path and the numerics reference. On CUDA a precision is
+worth having only if it is faster, so there the operators call torch's own kernels:
+
+=========  ==========================================================================
+precision  native computation (forward; the backward likewise in its own precision)
+=========  ==========================================================================
+fp16/bf16  operands cast to the dtype, torch's GEMM / convolution in it (tensor cores,
+           fp32 accumulation) and an output in the dtype, as ``torch.autocast`` does;
+           the gradients in the dtype, cast back to each input's dtype
+tf32       fp32 operands with torch's TF32 switches on around the op (cuBLAS and cuDNN),
+           off around fp32 ops, so fp32 means fp32
+int8       linear ops: per-tensor (input) and per-tensor or per-row (weight) scales
+           computed on the device, codes by round-half-even and clamp,
+           ``torch._int_mm`` (int32 accumulation), dequantized fp32 output; the backward
+           in its float precision on the dequantized codes
+fp8        linear ops: e4m3 operands with per-tensor scales, ``torch._scaled_mm`` (fp32
+           output); gradients in e5m2, ``torch._scaled_mm`` of e5m2 by e4m3
+=========  ==========================================================================
+
+No host synchronisation: scales stay on the device. Pairs without a native kernel (the
+policy's :func:`~qsync_lab.policy.runs_natively`: int8/fp8 convolutions and batched
+matmuls, stochastic rounding, shapes the int8/fp8 GEMMs refuse) run the emulation, which
+is correct but slow, and the cost model charges them so.
+
+Which path runs is chosen per call from the operand's device: native on CUDA, emulated on
+the CPU. :func:`execution` overrides that, e.g. ``execution("native")`` to run torch's CPU
+kernels for a numerics test, or ``execution("emulated")`` for bit-exact emulation on a GPU.
+
+Example::
+
+    >>> import torch
+    >>> from qsync_lab.policy import OpPrecision
+    >>> from qsync_lab.quant.gemm import LinearKernel
+    >>> x, w = torch.randn(4, 8), torch.randn(3, 8, requires_grad=True)
+    >>> with execution("native"):
+    ...     y = native_bilinear(LinearKernel(), x, w, None, OpPrecision.parse("bf16"))
+    >>> y.dtype
+    torch.bfloat16
+    >>> y.float().sum().backward()
+    >>> w.grad.dtype
+    torch.float32
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.policy import OpPrecision
+from qsync_lab.precision import Precision
+from qsync_lab.quant.gemm import BilinearKernel, LinearKernel, cuda_capability
+
+__all__ = ["EXECUTIONS", "HALF_DTYPES", "execution", "fp32_inputs", "native_bilinear",
+           "native_cast", "native_embedding", "runs_native", "tf32_math"]
+
+#: how low-precision ops run: by the operand's device, or forced one way
+EXECUTIONS = ("auto", "native", "emulated")
+_FLOAT_DTYPES = {Precision.FP32: torch.float32, Precision.TF32: torch.float32,
+                 Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+_FP8 = {Precision.FP8_E4M3: (torch.float8_e4m3fn, 448.0),
+        Precision.FP8_E5M2: (torch.float8_e5m2, 57344.0)}
+_INT8_MAX = 127.0
+_current = "auto"
+
+
+@contextlib.contextmanager
+def execution(mode: str) -> Iterator[None]:
+    """Run the low-precision ops called inside as ``mode`` says (see :data:`EXECUTIONS`).
+
+    Raises:
+        QSyncError: an unknown mode.
+    """
+    global _current
+    if mode not in EXECUTIONS:
+        raise QSyncError(f"unknown execution {mode!r}; choose one of {', '.join(EXECUTIONS)}")
+    before, _current = _current, mode
+    try:
+        yield
+    finally:
+        _current = before
+
+
+def runs_native(t: torch.Tensor) -> bool:
+    """Whether an op whose operand is ``t`` runs its native kernels (CUDA, or forced)."""
+    return _current == "native" or (_current == "auto" and t.is_cuda)
+
+
+@contextlib.contextmanager
+def tf32_math(on: bool) -> Iterator[None]:
+    """Let cuBLAS and cuDNN use TF32 for fp32 products (``on``) or not, then restore."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = before
+
+
+def fp32_inputs(module, args: tuple) -> tuple:
+    """Forward pre-hook: 16-bit float tensor arguments as fp32 (an fp32 op fed by a native
+    fp16/bf16 op; a no-op for fp32 tensors)."""
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF_DTYPES else a
+                 for a in args)
+
+
+def native_cast(x: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """``x`` in the dtype an op of ``precision`` writes (fp16/bf16; else as it is)."""
+    dtype = _FLOAT_DTYPES.get(precision)
+    return x.to(dtype) if dtype in HALF_DTYPES else x
+
+
+def native_bilinear(kernel: BilinearKernel, a: torch.Tensor, b: torch.Tensor,
+                    bias: torch.Tensor | None, cfg: OpPrecision) -> torch.Tensor | None:
+    """``kernel.forward(a, b, bias)`` with torch's kernels for ``cfg``, or None when the
+    pair has none here (the caller then emulates it). See the module docstring."""
+    forward = cfg.forward
+    if forward in _FLOAT_DTYPES and cfg.backward_precision in _FLOAT_DTYPES:
+        return _NativeFloat.apply(a, b, bias, kernel, forward, cfg.backward_precision)
+    if not isinstance(kernel, LinearKernel) or cfg.rounding != "nearest":
+        return None
+    m, k, n = a.numel() // max(a.shape[-1], 1), a.shape[-1], b.shape[0]
+    if forward is Precision.INT8 and _int8_fits(a, m, k, n) and \
+            cfg.backward_precision in _FLOAT_DTYPES:
+        return _NativeInt8Linear.apply(a, b, bias, cfg.granularity == "channel",
+                                       cfg.backward_precision)
+    if forward is Precision.FP8_E4M3 and _fp8_fits(a, k, n) and \
+            cfg.backward_precision in (*_FLOAT_DTYPES, Precision.FP8_E5M2):
+        return _NativeFp8Linear.apply(a, b, bias, cfg.backward_precision)
+    return None
+
+
+def native_embedding(indices: torch.Tensor, weight: torch.Tensor, cfg: OpPrecision,
+                     padding_idx: int | None, scale_grad_by_freq: bool) -> torch.Tensor | None:
+    """The gathered rows in fp16/bf16 (the gradient scattered in fp32), or None for the
+    precisions an embedding emulates."""
+    if cfg.forward not in (Precision.FP16, Precision.BF16) or \
+            cfg.backward_precision is not cfg.forward:
+        return None
+    rows = F.embedding(indices, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    return rows.to(_FLOAT_DTYPES[cfg.forward])
+
+
+def _int8_fits(a: torch.Tensor, m: int, k: int, n: int) -> bool:
+    """``torch._int_mm``'s shape rules on CUDA (M > 16, K and N multiples of 8)."""
+    return not a.is_cuda or (m > 16 and k % 8 == 0 and n % 8 == 0)
+
+
+def _fp8_fits(a: torch.Tensor, k: int, n: int) -> bool:
+    """``torch._scaled_mm`` needs sm89+ and K, N multiples of 16."""
+    capability = cuda_capability(a)
+    return (capability is None or capability >= (8, 9)) and k % 16 == 0 and n % 16 == 0
+
+
+def _float_grads(ctx, kernel: BilinearKernel, g: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor, backward: Precision) -> list:
+    """Both operand gradients and the bias gradient in ``backward``, in the inputs'
+    dtypes (None where not needed)."""
+    dtype = _FLOAT_DTYPES[backward]
+    g = g.to(dtype)
+    a_shape, b_shape = ctx.shapes
+    grads = [None, None, None]
+    with tf32_math(backward is Precision.TF32):
+        if ctx.needs_input_grad[0]:
+            grads[0] = kernel.grad_a(g, b.to(dtype), a_shape).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            grads[1] = kernel.grad_b(g, a.to(dtype), b_shape).to(ctx.dtypes[1])
+    if ctx.needs_input_grad[2]:
+        grads[2] = kernel.bias_grad(g).to(ctx.dtypes[2])
+    return grads
+
+
+def _remember(ctx, a, b, bias, kernel, backward) -> None:
+    ctx.kernel, ctx.backward = kernel, backward
+    ctx.shapes = (a.shape, b.shape)
+    ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
+
+
+class _NativeFloat(torch.autograd.Function):
+    """fp32 / tf32 / bf16 / fp16 forward and backward with torch's kernels."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, kernel, forward, backward):
+        dtype = _FLOAT_DTYPES[forward]
+        a, b = a.to(dtype), b.to(dtype)
+        with tf32_math(forward is Precision.TF32):
+            out = kernel.forward(a, b, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(a, b)
+        _remember(ctx, a, b, bias, kernel, backward)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        return (*_float_grads(ctx, ctx.kernel, grad_out, a, b, ctx.backward), None, None, None)
+
+
+def _scale(x: torch.Tensor, fmax: float, dim: int | None = None) -> torch.Tensor:
+    """``amax / fmax`` (1 where the amax is 0), on x's device: per tensor or per row."""
+    amax = (x.abs().amax() if dim is None else x.abs().amax(dim, keepdim=True)).float()
+    return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+
+
+def _int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(x.float() / scale).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+
+
+def _fp8_values(x: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x / s`` in the fp8 format with its per-tensor scale ``s`` (saturated, as the
+    format's largest finite value is where the scale puts the amax)."""
+    dtype, fmax = _FP8[precision]
+    scale = _scale(x, fmax)
+    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype), scale
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-d) laid out column-major, as ``torch._scaled_mm``'s second operand."""
+    return t.t().contiguous().t()
+
+
+class _NativeInt8Linear(torch.autograd.Function):
+    """``F.linear`` as int8 x int8 -> int32 (``torch._int_mm``), backward in a float."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, per_row, backward):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_scale = _scale(x2, _INT8_MAX)
+        w_scale = _scale(weight, _INT8_MAX, 1 if per_row else None)
+        x_codes, w_codes = _int8_codes(x2, x_scale), _int8_codes(weight, w_scale)
+        out = torch._int_mm(x_codes, w_codes.t().contiguous()).float()
+        out = out.mul_(x_scale * w_scale.reshape(1, -1) if per_row else x_scale * w_scale)
+        if bias is not None:
+            out = out.add_(bias.float())
+        ctx.save_for_backward(x_codes, x_scale, w_codes, w_scale)
+        _remember(ctx, x, weight, bias, LinearKernel(), backward)
+        return out.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
+        x = (x_codes.float() * x_scale).reshape(ctx.shapes[0])
+        w = w_codes.float() * w_scale
+        return (*_float_grads(ctx, ctx.kernel, grad_out, x, w, ctx.backward), None, None)
+
+
+class _NativeFp8Linear(torch.autograd.Function):
+    """``F.linear`` of e4m3 operands (``torch._scaled_mm``); gradients in e5m2 (or a
+    float precision)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, backward):
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, x_scale = _fp8_values(x2, Precision.FP8_E4M3)
+        w8, w_scale = _fp8_values(weight, Precision.FP8_E4M3)
+        out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=torch.float32)
+        if bias is not None:
+            out = out.add_(bias.float())
+        ctx.save_for_backward(x8, x_scale, w8, w_scale)
+        _remember(ctx, x, weight, bias, LinearKernel(), backward)
+        return out.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x8, x_scale, w8, w_scale = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.backward is not Precision.FP8_E5M2 or (x8.is_cuda and x8.shape[0] % 16):
+            x = (x8.float() * x_scale).reshape(ctx.shapes[0])
+            backward = Precision.FP32 if ctx.backward is Precision.FP8_E5M2 else ctx.backward
+            return (*_float_grads(ctx, ctx.kernel, grad_out, x, w8.float() * w_scale,
+                                  backward), None)
+        g8, g_scale = _fp8_values(g2, Precision.FP8_E5M2)
+        grads = [None, None, None]
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._scaled_mm(g8, _column_major(w8), g_scale, w_scale,
+                                      out_dtype=torch.float32)
+            grads[0] = grad_x.reshape(ctx.shapes[0]).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._scaled_mm(g8.t().contiguous(), _column_major(x8), g_scale, x_scale,
+                                      out_dtype=torch.float32)
+            grads[1] = grad_w.to(ctx.dtypes[1])
+        if ctx.needs_input_grad[2]:
+            grads[2] = g2.float().sum(0).to(ctx.dtypes[2])
+        return (*grads, None)

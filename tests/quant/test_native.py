@@ -1,0 +1,185 @@
+"""The native path (torch's kernels, as a GPU runs them), checked on the CPU.
+
+torch's CPU kernels stand in for CUDA's: ``execution("native")`` makes CPU operands take the
+path CUDA operands take. A dispatch mode records which aten kernels each op calls, in
+which dtypes, so these tests see that a bf16 op really multiplies bf16 operands, an int8
+op calls ``_int_mm`` and an fp8 op ``_scaled_mm``, without a GPU.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qsync_lab.devices import load_catalog
+from qsync_lab.graph import trace_graph
+from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.quant import apply_plan_, apply_resolved_plan_
+from qsync_lab.quant.native import execution, runs_native
+
+_GEMMS = {"mm", "addmm", "bmm", "_int_mm", "_scaled_mm", "convolution",
+          "convolution_backward"}
+
+
+class _Kernels(TorchDispatchMode):
+    """Records (aten op name, operand dtypes, TF32 switch) of every GEMM-like call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.count = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        name = func.overloadpacket.__name__
+        if name in _GEMMS:
+            dtypes = tuple(a.dtype for a in args[:2] if isinstance(a, torch.Tensor))
+            self.calls.append((name, dtypes, torch.backends.cuda.matmul.allow_tf32))
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model, x):
+    with _Kernels() as kernels:
+        out = model(x)
+        out.float().sum().backward()
+    return out, kernels
+
+
+@pytest.fixture
+def linear():
+    torch.manual_seed(0)
+    return nn.Linear(64, 32), torch.randn(48, 64)
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16),
+                                              ("fp16", torch.float16)])
+def test_half_ops_multiply_in_their_dtype_and_write_it(linear, precision, dtype):
+    layer, x = linear
+    apply_plan_(layer, {"": precision})
+    with execution("native"):
+        out, kernels = _step(layer, x.requires_grad_())
+    assert out.dtype == dtype
+    assert kernels.calls and all(d == (dtype, dtype) for _, d, _ in kernels.calls)
+    assert layer.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_int8_ops_call_int_mm_and_compute_their_backward_in_fp16(linear):
+    layer, x = linear
+    apply_plan_(layer, {"": "int8"})
+    with execution("native"):
+        out, kernels = _step(layer, x)
+    names = [(name, dtypes) for name, dtypes, _ in kernels.calls]
+    assert names[0] == ("_int_mm", (torch.int8, torch.int8))
+    assert {d for _, d in names[1:]} == {(torch.float16, torch.float16)}
+    assert out.dtype == torch.float32
+
+
+def test_fp8_ops_call_scaled_mm_with_e4m3_forward_and_e5m2_gradients(linear):
+    layer, x = linear
+    apply_plan_(layer, {"": "fp8_e4m3"})
+    with execution("native"):
+        _, kernels = _step(layer, x.requires_grad_())
+    forward, *backward = [d for name, d, _ in kernels.calls if name == "_scaled_mm"]
+    assert forward == (torch.float8_e4m3fn, torch.float8_e4m3fn)
+    assert backward == [(torch.float8_e5m2, torch.float8_e4m3fn)] * 2
+
+
+def test_tf32_switches_are_on_around_tf32_ops_only(linear):
+    layer, x = linear
+    fp32 = copy.deepcopy(layer)
+    apply_plan_(layer, {"": "tf32"})
+    apply_plan_(fp32, {"": {"forward": "fp32", "backward": "tf32"}})
+    with execution("native"):
+        _, tf32_kernels = _step(layer, x)
+        _, mixed_kernels = _step(fp32, x)
+    assert [on for *_, on in tf32_kernels.calls] == [True, True]  # forward, weight gradient
+    assert [on for *_, on in mixed_kernels.calls] == [False, True]
+    assert not torch.backends.cuda.matmul.allow_tf32  # restored
+
+
+def test_pairs_without_native_kernels_fall_back_to_the_emulation():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, 3)
+    apply_plan_(conv, {"": "int8"})
+    with execution("native"):
+        _, kernels = _step(conv, torch.randn(2, 4, 8, 8))
+    assert all(torch.int8 not in d for _, d, _ in kernels.calls)  # codes widened to float
+
+
+def test_execution_is_chosen_by_device_unless_forced():
+    cpu = torch.zeros(1)
+    assert not runs_native(cpu)
+    with execution("native"):
+        assert runs_native(cpu)
+        with execution("emulated"):
+            assert not runs_native(cpu)
+    with pytest.raises(Exception, match="unknown execution 'fast'"):
+        with execution("fast"):
+            pass
+
+
+class _Chain(nn.Module):
+    """A bf16 linear feeding an fp32 linear, an fp32 layer norm and an fp32 functional
+    matmul: each must widen the bf16 tensor it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.low, self.high, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        y = self.low(x)
+        return self.norm(self.high(y)) + (y @ self.high.weight).sum(-1, keepdim=True)
+
+
+def test_fp32_ops_fed_by_native_half_ops_get_fp32_inputs():
+    torch.manual_seed(0)
+    model, x = _Chain(), torch.randn(4, 16)
+    graph = trace_graph(model, x)
+    with execution("native"):
+        with pytest.raises(RuntimeError, match="dtype"):  # unguarded, the dtypes clash
+            _check_clash(model, x)
+        apply_resolved_plan_(model, graph, {"low": "bf16"},
+                             load_catalog().device("A100-SXM4-80GB"))
+        out = model(x)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def _check_clash(model, x):
+    """The bf16 linear alone, its output into the fp32 linear: torch refuses the mix."""
+    planned = copy.deepcopy(model)
+    apply_plan_(planned, {"low": "bf16"})
+    planned.high(planned.low(x))
+
+
+def test_native_bf16_bert_launches_no_more_kernels_than_autocast():
+    """A bf16 plan of every GEMM of a small BERT, natively, against torch.autocast (CPU,
+    bf16): aten calls per forward+backward, the CPU's count of a GPU's kernel launches."""
+    torch.manual_seed(0)
+    kwargs = {"seq_len": 16, "vocab_size": 500}
+    model = get_model("bert_mini", **kwargs)
+    inputs, target = example_batch("bert_mini", 4, **kwargs)
+    loss_fn = model_spec("bert_mini").loss_fn()
+    graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+    gemms = graph.ops.index[graph.ops.kind.isin(["linear", "matmul"])]
+    planned = copy.deepcopy(model)
+    apply_resolved_plan_(planned, graph, {fqn: "bf16" for fqn in gemms},
+                         load_catalog().device("A100-SXM4-80GB"))
+
+    def count(step):
+        with _Kernels() as kernels:
+            step()
+        return kernels
+
+    def ours():
+        with execution("native"):
+            loss_fn(planned(*inputs).float(), target).backward()
+
+    def autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(*inputs)
+        loss_fn(out.float(), target).backward()
+
+    native, reference = count(ours), count(autocast)
+    assert {d for _, d, _ in native.calls} == {(torch.bfloat16, torch.bfloat16)}
+    assert native.count <= 1.2 * reference.count, (native.count, reference.count)
