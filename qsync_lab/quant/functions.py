@@ -54,9 +54,7 @@ def _forward_product(kernel: BilinearKernel, a: Encoded, b: Encoded,
         out = kernel.int8_product(a.data, b.data)
         out = out.mul_(kernel.out_scale(a, b, out.dim()))
     elif precision in FP8_PRECISIONS:
-        out = kernel.scaled_mm(a, b)
-        if out is None:
-            out = fp8_product(kernel.forward, a, b)
+        out = fp8_product(kernel.forward, a, b)
     else:
         bias_enc = None if bias is None else encode(bias, precision)
         return float_product(kernel.forward, (a, b, bias_enc), precision)

@@ -10,13 +10,15 @@ precision  CUDA                                       CPU (exact emulation in fp
 int8       ``torch._int_mm`` (linear, matmul; M > 16,  int8 codes as fp32, K split into chunks
            K and N multiples of 8), else float64       of ≤ 1024 so each chunk is exact; chunks
            (exact)                                    summed in int32
-fp8        ``torch._scaled_mm`` (linear forward, sm89+, fp32 product of the fp8 values (exact
-           K, N multiples of 16), else emulated       products, fp32 accumulation), rescaled
+fp8        fp32 product of the fp8 values (exact products, fp32 accumulation), rescaled
 fp16/bf16  native fp16/bf16 kernels                   operands rounded, fp32 product, output
                                                       rounded (fp32 accumulation, as tensor
                                                       cores do)
 tf32       operands rounded to 10 mantissa bits, fp32 product (both devices)
 =========  =========================================  =======================================
+
+This is the emulation; on CUDA the operators normally run torch's kernels instead
+(:mod:`~qsync_lab.quant.native`), and these paths serve the pairs without one.
 
 int8 results are the exact int32 accumulator converted to fp32, then multiplied by the
 product of the operands' scales, on both paths. The slow CPU int8/bf16/fp16 GEMMs are never
@@ -133,10 +135,6 @@ class BilinearKernel(ABC):
     def int8_product(self, a_codes: torch.Tensor, b_codes: torch.Tensor) -> torch.Tensor:
         """``f`` over int8 codes: the int32 accumulator, as fp32 (exact on every path)."""
 
-    def scaled_mm(self, a: Encoded, b: Encoded) -> torch.Tensor | None:
-        """Native fp8 forward on CUDA when available, else None (then it is emulated)."""
-        return None
-
     def add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Add ``bias`` to a freshly computed output, in place."""
         return out.add_(bias)
@@ -172,14 +170,6 @@ class LinearKernel(BilinearKernel):
             return _int_mm(a2, b_codes.t()).reshape(*a_codes.shape[:-1], -1)
         return _exact_int_product(F.linear, a_codes, b_codes, -1, -1)
 
-    def scaled_mm(self, a, b):
-        cc = cuda_capability(a.data)
-        k, n = b.data.shape[1], b.data.shape[0]
-        if cc is None or cc < (8, 9) or k % 16 or n % 16:
-            return None
-        a2 = a.data.reshape(-1, k).contiguous()
-        out = torch._scaled_mm(a2, b.data.t(), a.scale, b.scale, out_dtype=torch.float32)
-        return out.reshape(*a.data.shape[:-1], n)
 
 
 class MatMulKernel(BilinearKernel):
