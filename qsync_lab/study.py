@@ -194,14 +194,19 @@ class Study:
 
     def profile(self, out: "str | os.PathLike[str]", *, repeats: int = 5, threads: int = 1,
                 precisions: Sequence["Precision | str"] | None = None,
-                compression: Sequence[str] = ()):
+                compression: Sequence[str] = (), device: str = "cpu"):
         """Measure this machine's op costs for the model (a zoo model at its ranks' batch
         size), as many processes at once as the cluster has local ranks (``threads`` each;
         :meth:`run` then uses as many), the model's own step overhead (its training step
         with the study's optimizer, timed beside them) and the encode and decode of each
         ``compression`` spec, into ``out``; the study's costs then read it before the
         shipped CPU profile (casts, links and the default compressors). Returns what was
-        written."""
+        written.
+
+        ``device="cuda"`` measures the ops and the step on this machine's GPU instead, in
+        one process (a rank has a GPU of its own), with CUDA events; the rows are named
+        after the GPU's catalog kind (:func:`~qsync_lab.profile.profile_machine`), e.g.
+        ``study.profile("h100.csv", device="cuda")``."""
         from qsync_lab.compress import CompressionSpec
         from qsync_lab.profile import ProfileJob, profile_machine
         from qsync_lab.resources import data_file
@@ -212,9 +217,12 @@ class Study:
         written = profile_machine([ProfileJob(self.name, self.model, tuple(inputs), target,
                                               self.loss_fn)], out, precisions=names,
                                   threads=threads, repeats=repeats,
-                                  processes=self.cluster.world_size, casts=False, links=None,
+                                  processes=(self.cluster.world_size
+                                             if torch.device(device).type == "cpu" else 1),
+                                  casts=False, links=None,
                                   compression=[str(CompressionSpec.parse(c)) for c in compression],
-                                  step_optimizer=self.optimizer, progress=self.progress)
+                                  step_optimizer=self.optimizer, progress=self.progress,
+                                  device=device)
         self.profiles = (str(out), str(data_file("profiles", "cpu.csv")))
         self.costs = load_cost_model(*self.profiles)
         self.run_threads = threads

@@ -9,7 +9,10 @@
   and fit the link's α–β; :func:`measure_ddp_overhead` / :func:`fit_ddp_link` fit it to
   what real DDP steps of calibration models add (the link the simulator should use);
 * :func:`profile_machine` runs all of it and writes one profile CSV
-  (:func:`qsync_lab.costs.load_cost_model` turns profiles into a cost model).
+  (:func:`qsync_lab.costs.load_cost_model` turns profiles into a cost model);
+* on a GPU, ``device="cuda"`` (ops, casts, step overhead, :func:`profile_machine`) runs them
+  there, times them with CUDA events (:mod:`qsync_lab.profile.timing`) and names the rows
+  after the GPU's catalog kind.
 
 Example::
 

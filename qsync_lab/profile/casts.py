@@ -4,8 +4,12 @@ A conversion from ``src`` to ``dst`` is what the runtime does when an operand he
 ``src`` is read by a ``dst`` kernel: ``reencode(encode(x, src), src, dst)``
 (:mod:`qsync_lab.quant.encoding`; int8 includes finding the scale). A pair with
 ``src == dst`` is an in-place copy into an existing buffer, as DDP copies gradients into
-and out of its buckets. Each pair is timed on fp32 tensors of several sizes;
-:func:`fit_casts` fits the time per pair with R².
+and out of its buckets. Each pair is timed on fp32 tensors of several sizes, on ``device``:
+the CPU, or a CUDA GPU (``device="cuda"``), where the conversions are the native path's
+casts and quantize steps (int8 scale and codes, fp8 scaled casts) and are timed with CUDA
+events (:func:`~qsync_lab.profile.timing.median_time_us`); the rows are named after the
+device (:func:`~qsync_lab.profile.device.profile_device_name`). :func:`fit_casts` fits
+the time per pair with R².
 
 Example::
 
@@ -15,6 +19,8 @@ Example::
     >>> fits = fit_casts(rows)
     >>> list(fits), 0 <= fits["fp32->fp16"].samples
     (['fp32->fp16'], True)
+
+On a GPU: ``profile_casts([("fp32", "int8")], default_cast_sizes(), device="cuda")``.
 """
 
 from collections.abc import Callable, Sequence
@@ -25,6 +31,7 @@ import torch
 from qsync_lab.costs import PROFILE_COLUMNS
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.precision import Precision
+from qsync_lab.profile.device import profile_device, profile_device_name, to_device
 from qsync_lab.profile.fit import LineFit, fit_line
 from qsync_lab.profile.timing import median_time_us
 from qsync_lab.quant.encoding import encode, reencode
@@ -56,22 +63,27 @@ def default_copy_sizes() -> list[int]:
 
 
 def profile_casts(pairs: Sequence[tuple[str, str]], sizes: Sequence[int], *,
-                  device: str = "cpu", repeats: int = 10, warmup: int = 2) -> pd.DataFrame:
-    """Median conversion time of each (src, dst) pair at each element count.
+                  device: "torch.device | str" = "cpu", repeats: int = 10,
+                  warmup: int = 2) -> pd.DataFrame:
+    """Median conversion time of each (src, dst) pair at each element count on ``device``
+    (``cpu`` or ``cuda``).
 
     Returns:
         Cast rows with the columns of :data:`qsync_lab.costs.PROFILE_COLUMNS`
         (``phase="cast"``, ``precision="src->dst"``, ``bytes`` read plus written).
     """
     keep_freed_memory()  # as the ranks (qsync_lab.hostmem)
+    device = profile_device(device)
+    device_name = profile_device_name(device)
     rows = []
     generator = torch.Generator().manual_seed(0)
     for src_name, dst_name in pairs:
         src, dst = Precision.parse(src_name), Precision.parse(dst_name)
         for numel in sizes:
-            run = _conversion(torch.randn(int(numel), generator=generator), src, dst)
-            time_us = median_time_us(run, repeats=repeats, warmup=warmup)
-            rows.append({"device": device, "op": "", "kind": "cast", "shape_key": "",
+            values = to_device(torch.randn(int(numel), generator=generator), device)
+            time_us = median_time_us(_conversion(values, src, dst), repeats=repeats,
+                                     warmup=warmup, device=device)
+            rows.append({"device": device_name, "op": "", "kind": "cast", "shape_key": "",
                          "precision": f"{src}->{dst}", "plan_precision": f"{src}->{dst}",
                          "phase": "cast", "batch_size": 0,
                          "numel": int(numel), "flops": 0.0,

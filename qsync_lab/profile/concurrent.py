@@ -44,7 +44,8 @@ def profile_ops_concurrently(model: nn.Module, example_inputs: tuple, target, lo
                              ddp_steps: Sequence["Precision | str"] = (),
                              step_repeats: int | None = None) -> pd.DataFrame:
     """:func:`~qsync_lab.profile.profile_ops` in ``processes`` processes at once; each row's
-    ``time_us`` is the median over the processes (see the module docstring).
+    ``time_us`` is the median over the processes (see the module docstring); ``device``:
+    where each process runs the ops (``cpu`` or ``cuda``).
 
     ``step_optimizer``: each process then also times the whole training step with that
     optimizer (:func:`~qsync_lab.profile.overhead.time_training_step`); the median over the
@@ -159,7 +160,7 @@ def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats,
                 else:
                     step_us = time_training_step(model, inputs, target, loss_fn,
                                                  steps.optimizer, repeats=steps.repeats,
-                                                 warmup=warmup)
+                                                 warmup=warmup, device=device)
         results.put((index, rows, step_us))
     except Exception as err:  # reported by the parent as a QSyncError
         barrier.abort()  # a process waiting for this one at a barrier fails too, not hangs

@@ -18,7 +18,14 @@ op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
    the sum over its nodes;
 3. per op, the median over the timed steps.
 
-Only synchronous (CPU) execution is timed this way; on a GPU use the isolated profile.
+The model (a copy) and the batch run on ``device``, and the timer follows it
+(:func:`~qsync_lab.profile.timing.timer_for`): on the CPU each span is read off the host
+clock as it ends; on CUDA the same marks are CUDA events recorded on the stream around each
+op call and each autograd node (the hooks run on autograd's device thread, the events on
+the same stream as the kernels), and all of a step's spans are resolved once, after the
+synchronise that ends the step, so timing adds no stall between kernels. A CUDA span is
+the stream's time between its two events: the op's kernels, plus any time the GPU waited
+for the host to launch them (what the op costs the step when launches are the bottleneck).
 
 Example::
 
@@ -28,10 +35,12 @@ Example::
     ...                       nn.CrossEntropyLoss(), "bf16", steps=2, warmup=1)
     >>> t.effective, bool((t.forward_us > 0).all())
     (['bf16', 'bf16', 'bf16', 'fp32'], True)
+
+On a GPU the same call with ``device="cuda"`` times the native low-precision kernels
+(their casts and quantize steps included) with CUDA events.
 """
 
 import copy
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,9 +53,11 @@ from qsync_lab.graph import symbolic_trace
 from qsync_lab.graph.opgraph import _loss_root
 from qsync_lab.policy import OpPrecision
 from qsync_lab.precision import Precision
+from qsync_lab.profile.device import profile_device, to_device
+from qsync_lab.profile.timing import timer_for
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 
-__all__ = ["InStepTimes", "time_ops_in_steps"]
+__all__ = ["InStepTimes", "loss_root_on", "time_ops_in_steps"]
 
 _CALLS = ("call_module", "call_function", "call_method")
 _NS_PER_US = 1e3
@@ -70,22 +81,19 @@ class InStepTimes:
 
 def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
                       loss_fn: nn.Module, precision: "Precision | str", *, steps: int = 10,
-                      warmup: int = 3) -> InStepTimes:
+                      warmup: int = 3, device: "torch.device | str" = "cpu") -> InStepTimes:
     """Time each op of ``loss_fn(model(*example_inputs), target)`` (``model(**example_inputs)``
-    for a dict batch) inside training steps with
+    for a dict batch) inside training steps on ``device`` with
     every op in ``precision`` where it can be (see the module docstring); ``model`` is not
     modified."""
     if steps < 1 or warmup < 0:
         raise QSyncError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
-    model = copy.deepcopy(model)
-    root, example_inputs = _loss_root(model, loss_fn, example_inputs)
-    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in (*example_inputs, target)):
-        raise QSyncError("in-step timing measures synchronous CPU execution; profile CUDA ops "
-                         "with method='isolated'")
+    device = profile_device(device)
+    root, example_inputs, target = loss_root_on(model, loss_fn, example_inputs, target, device)
     precision = Precision.parse(precision)
     gm = symbolic_trace(root)
     taken = _set_precision(gm, precision)
-    runner = _TimedRun(gm, precision, taken)
+    runner = _TimedRun(gm, precision, taken, device)
     optimizer = torch.optim.SGD(gm.parameters(), lr=_LR, momentum=0.9)
     forward, backward, ops = [], [], None
     for step in range(warmup + steps):
@@ -98,12 +106,22 @@ def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
             raise QSyncError("the op calls differ between training steps; the model's "
                              "forward must be deterministic in structure")
         ops = runner.ops
+        forward_ns, backward_ns = runner.times_ns()  # on CUDA: synchronises the step once
         if step >= warmup:
-            forward.append(runner.forward_ns)
-            backward.append(runner.backward_ns)
+            forward.append(forward_ns)
+            backward.append(backward_ns)
     effective = [str(precision) if name in taken else "fp32" for name in ops]
     return InStepTimes(np.median(forward, axis=0) / _NS_PER_US,
                        np.median(backward, axis=0) / _NS_PER_US, effective)
+
+
+def loss_root_on(model: nn.Module, loss_fn: nn.Module, example_inputs, target,
+                 device: "torch.device | str") -> tuple[nn.Module, tuple, object]:
+    """``(root, inputs, target)`` on ``device``: ``root(*inputs, target)`` computes the loss
+    of a copy of ``model`` (and of ``loss_fn``) for a tuple or dict batch."""
+    root, example_inputs = _loss_root(copy.deepcopy(model), copy.deepcopy(loss_fn),
+                                      example_inputs)
+    return root.to(device), to_device(example_inputs, device), to_device(target, device)
 
 
 def _set_precision(gm: fx.GraphModule, precision: Precision) -> set[str]:
@@ -128,36 +146,42 @@ def _function_name(node: fx.Node) -> str:
 class _TimedRun(fx.Interpreter):
     """Runs the traced model, timing each op's call and its autograd nodes."""
 
-    def __init__(self, gm: fx.GraphModule, precision: Precision, taken: set[str]) -> None:
+    def __init__(self, gm: fx.GraphModule, precision: Precision, taken: set[str],
+                 device: torch.device) -> None:
         super().__init__(gm)
         self.functional = OpPrecision.parse(precision)
         self.taken = taken
+        self.device = device
         self.reset()
 
     def reset(self) -> None:
-        """Forget the last step: op names, forward and backward times (ns)."""
+        """Forget the last step: op names, their timed spans and the hooked nodes."""
         self.ops: list[str] = []
-        self.forward_ns: list[int] = []
-        self.backward_ns: list[int] = []
+        self.timer = timer_for(self.device)
         self._owned: set = set()
         self._started: dict = {}
+
+    def times_ns(self) -> tuple[list, list]:
+        """The last step's forward and backward time of each op, ns."""
+        totals = self.timer.totals_ns()
+        return ([totals[("forward", i)] for i in range(len(self.ops))],
+                [totals.get(("backward", i), 0) for i in range(len(self.ops))])
 
     def run_node(self, n: fx.Node):
         if n.op not in _CALLS:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        begin = time.perf_counter_ns()
+        begin = self.timer.mark()
         if n.op != "call_module" and n.name in self.taken:
             out = low_precision_call(_function_name(n), args, kwargs, self.functional, (0, 1))
         else:
             out = getattr(self, n.op)(n.target, args, kwargs)
-        elapsed = time.perf_counter_ns() - begin
+        end = self.timer.mark()
         tensors = _tensors(out)
         if tensors:
+            self.timer.add(("forward", len(self.ops)), begin, end)
             self.ops.append(n.name)
-            self.forward_ns.append(elapsed)
-            self.backward_ns.append(0)
-            self._hook_new_nodes(tensors, len(self.backward_ns) - 1)
+            self._hook_new_nodes(tensors, len(self.ops) - 1)
         return out
 
     def _hook_new_nodes(self, outputs: Sequence[torch.Tensor], index: int) -> None:
@@ -173,12 +197,13 @@ class _TimedRun(fx.Interpreter):
 
     def _pre_hook(self, node):
         def hook(grad_outputs):
-            self._started[node] = time.perf_counter_ns()
+            self._started[node] = self.timer.mark()
         return hook
 
     def _post_hook(self, node, index: int):
         def hook(grad_inputs, grad_outputs):
-            self.backward_ns[index] += time.perf_counter_ns() - self._started.pop(node)
+            end = self.timer.mark()
+            self.timer.add(("backward", index), self._started.pop(node), end)
         return hook
 
 

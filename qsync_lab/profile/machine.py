@@ -18,6 +18,14 @@ need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_devic
    what each spec's hook adds to real DDP steps of calibration MLPs beyond that
    (:func:`~qsync_lab.profile.ddp_link.fit_compressed_steps`).
 
+With ``device="cuda"`` the ops, casts and step overhead are measured on the GPU torch sees
+(CUDA events, :mod:`qsync_lab.profile.timing`; the native low-precision path) and the rows
+and the ``device`` metadata line name its catalog kind (``H100-SXM5-80GB``), else the name
+it reports, so ``qsync-lab run --profile`` on CUDA ranks of that kind costs them with it.
+Links and compression are not measured there (they are measured through gloo, the link
+on several ranks), and the written profile says so (``skipped`` metadata line); keep them
+from a CPU profile.
+
 Example::
 
     >>> import tempfile, pathlib, torch, torch.nn as nn
@@ -28,6 +36,9 @@ Example::
     ...                           links=None, progress=False)
     >>> written.ops_rows > 0, out.exists()
     (True, True)
+
+On a GPU: ``profile_machine([job], "gpu.csv", precisions=["fp32", "bf16", "int8"],
+device="cuda")``.
 """
 
 import functools
@@ -42,6 +53,7 @@ from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
 from qsync_lab.costs.profile_links import link_metadata, load_cost_model, write_device_profile
+from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
 from qsync_lab.profile.allreduce import default_sizes, fit_alpha_beta, profile_allreduce
@@ -53,15 +65,19 @@ from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast,
                                        fit_compressed_steps, fit_ddp_link,
                                        measure_buffer_broadcast, measure_compressed_steps,
                                        measure_ddp_overhead)
+from qsync_lab.profile.device import profile_device, profile_device_name
 from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.overhead import (fit_step_overhead, measured_step_overhead_metadata,
                                         step_overhead_metadata, time_training_step)
 from qsync_lab.profile.timing import intra_op_threads, run_metadata
 
-__all__ = ["LINK_METHODS", "ProfileJob", "ProfileWritten", "profile_machine"]
+__all__ = ["LINK_METHODS", "SINGLE_GPU_NOTE", "ProfileJob", "ProfileWritten", "profile_machine"]
 
 #: how the allreduce link is fitted: real DDP steps ("ddp"), the microbenchmark, or not
 LINK_METHODS = ("ddp", "allreduce", None)
+#: why a profile on a GPU has no link or compression fits
+SINGLE_GPU_NOTE = ("links and compression not profiled on a GPU: they are measured through gloo "
+                   "(the link on several ranks); take them from a CPU profile")
 
 
 @dataclass(frozen=True)
@@ -95,27 +111,41 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                     repeats: int = 10, processes: int = 1, method: str = "in_step",
                     casts: bool = True, links: str | None = "ddp",
                     compression: Sequence[str] = (), step_optimizer: str | None = None,
-                    progress: bool = True) -> ProfileWritten:
-    """Run the stages of the module docstring and write the profile to ``out``.
+                    progress: bool = True, device: str = "cpu") -> ProfileWritten:
+    """Run the stages of the module docstring on ``device`` (``cpu`` or ``cuda``) and write
+    the profile to ``out``.
 
     Raises:
-        QSyncError: a non-positive count or an unknown link method, before measuring.
+        QSyncError: a non-positive count, an unknown link method or device, or a GPU that
+            is no catalog kind with ``step_optimizer`` (its optimizer step cannot be
+            costed), before measuring.
     """
     if min(threads, repeats, processes) < 1:
         raise QSyncError("threads, repeats and processes must be positive integers")
     if links not in LINK_METHODS:
         raise QSyncError(f"unknown link method {links!r}; choose one of: "
                          f"{', '.join(map(str, LINK_METHODS))}")
+    device = profile_device(device)
+    device_name = profile_device_name(device)
+    skipped = device.type == "cuda" and bool(links or compression)
+    if skipped:
+        links, compression = None, ()
     names = [str(Precision.parse(p)) for p in precisions]
     stages = ([f"ops: {job.name}" for job in jobs] + (["casts"] if casts else [])
               + ["step overhead"] + ([f"links ({links})"] if links else [])
               + (["compression"] if compression else []))
     bar = tqdm(stages, desc="profile", unit="stage", disable=not progress)
     own_step = step_optimizer if len(jobs) == 1 else None  # several models: one shared fit
+    if own_step:
+        load_catalog().device(device_name)  # the optimizer step is costed on its kind
     measure = (functools.partial(profile_ops_concurrently, processes=processes, threads=threads,
-                                 step_optimizer=own_step)
-               if processes > 1 else functools.partial(profile_ops, progress=False))
-    frames, metadata = [], {**run_metadata("cpu", threads=threads), "profile_method": method}
+                                 step_optimizer=own_step, device=device)
+               if processes > 1 else functools.partial(profile_ops, progress=False,
+                                                       device=device))
+    frames, metadata = [], {**run_metadata(device_name, threads=threads),
+                            "profile_method": method}
+    if skipped:
+        metadata["skipped"] = SINGLE_GPU_NOTE
     if processes > 1:
         metadata["concurrent_processes"] = str(processes)
     with intra_op_threads(threads):
@@ -125,24 +155,26 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                            repeats=repeats, method=method)
             if own_step and processes == 1:
                 rows.attrs["training_step_us"] = time_training_step(
-                    job.model, job.inputs, job.target, job.loss_fn, own_step, repeats=repeats)
+                    job.model, job.inputs, job.target, job.loss_fn, own_step, repeats=repeats,
+                    device=device)
             # several models share op names (conv1, fc): match their rows by kind and shape
             frames.append(rows.assign(op="") if len(jobs) > 1 else rows)
             bar.update()
         cast_rows = pd.DataFrame()
         if casts:
             bar.set_postfix_str("casts")
-            cast_rows = _casts(names, repeats)
+            cast_rows = _casts(names, repeats, device)
             metadata.update({f"cast_r2.{pair}": f"{fit.r2:.4f}"
                              for pair, fit in fit_casts(cast_rows).items()})
             bar.update()
         bar.set_postfix_str("step overhead")
-        metadata.update(measured_step_overhead_metadata(frames, jobs[0].model, own_step)
+        metadata.update(measured_step_overhead_metadata(frames, jobs[0].model, own_step,
+                                                        device_name)
                         if own_step else
                         step_overhead_metadata(fit_step_overhead(repeats=repeats,
-                                                                 method=method)))
+                                                                 method=method, device=device)))
         bar.update()
-    link_text = ""
+    link_text = SINGLE_GPU_NOTE if skipped else ""
     if links:
         bar.set_postfix_str(f"links ({links})")
         link_meta, link_text = _links(links, cast_rows, threads, repeats, Path(out).name)
@@ -165,12 +197,12 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
     return ProfileWritten(Path(out), sum(len(f) for f in frames), len(cast_rows), link_text)
 
 
-def _casts(precisions: list[str], repeats: int) -> pd.DataFrame:
+def _casts(precisions: list[str], repeats: int, device) -> pd.DataFrame:
     pairs = ([("fp32", p) for p in precisions if p != "fp32"]
              + [(p, "fp32") for p in precisions if p not in ("fp32", "int8")])
-    return pd.concat([profile_casts(pairs, default_cast_sizes(), repeats=repeats),
+    return pd.concat([profile_casts(pairs, default_cast_sizes(), repeats=repeats, device=device),
                       profile_casts([("fp32", "fp32")], default_copy_sizes(),  # DDP's copies
-                                    repeats=repeats)])
+                                    repeats=repeats, device=device)])
 
 
 def _links(method: str, cast_rows: pd.DataFrame, threads: int, repeats: int,

@@ -5,8 +5,13 @@ training steps of the whole model, one run of steps per precision
 (:mod:`qsync_lab.profile.in_step`): the times the simulator then adds up are those of a
 step, cache misses and the autograd engine's scheduling included, so their sums follow a
 measured step's forward and backward more closely than those of ops timed alone.
-``isolated`` times one op at a time, as follows, and works where an in-step time cannot be
-read off the host clock (CUDA).
+``isolated`` times one op at a time, as follows.
+
+Both run on ``device``: the CPU (host clock), or a CUDA GPU (``device="cuda"``: a copy of
+the model and the batch are moved there, the ops run the runtime's native CUDA path, and
+every span is timed with CUDA events, :mod:`qsync_lab.profile.timing`). The rows are named
+after the device (:func:`~qsync_lab.profile.device.profile_device_name`: ``cpu``, or the
+GPU's catalog kind such as ``H100-SXM5-80GB``), so a cost model attributes them to it.
 
 How one op is measured alone (``method="isolated"``):
 
@@ -52,6 +57,8 @@ Example::
     [('0', 'backward_weight'), ('0', 'forward'), ('1', 'backward_input')]
     >>> bool((rows["time_us"] >= 0).all()), rows["batch_size"].unique().tolist()
     (True, [4])
+
+On a GPU, ``profile_ops(..., device="cuda")`` writes the same rows, named after the GPU.
 """
 
 import copy
@@ -66,11 +73,11 @@ from tqdm.auto import tqdm
 from qsync_lab.costs import PROFILE_COLUMNS, op_work, phase_work, shape_key
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import symbolic_trace, trace_graph
-from qsync_lab.graph.opgraph import _loss_root
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.policy import DEFAULT_BACKWARD, OpPrecision
 from qsync_lab.precision import Precision
-from qsync_lab.profile.in_step import InStepTimes, time_ops_in_steps
+from qsync_lab.profile.device import profile_device, profile_device_name
+from qsync_lab.profile.in_step import InStepTimes, loss_root_on, time_ops_in_steps
 from qsync_lab.profile.timing import median_time_us
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 
@@ -109,7 +116,7 @@ class _Capture(fx.Interpreter):
 
 def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
                 loss_fn: nn.Module, precisions: Sequence["Precision | str"], *,
-                device: str = "cpu", repeats: int = 10, warmup: int = 2,
+                device: "torch.device | str" = "cpu", repeats: int = 10, warmup: int = 2,
                 method: str = "in_step", progress: bool = True) -> pd.DataFrame:
     """Time every op of ``loss_fn(model(*example_inputs), target)`` (see the module docstring).
 
@@ -120,7 +127,8 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
         target: the batch's target.
         loss_fn: the loss module.
         precisions: forward precisions to profile each op in (``fp32`` first is usual).
-        device: the catalog device name written in the rows.
+        device: where the ops run, ``cpu`` or ``cuda`` (a copy of the model and the batch
+            are moved there); the rows are named after it (module docstring).
         repeats, warmup: timed and untimed calls per measurement (``in_step``: training
             steps per precision).
         method: ``in_step`` (inside training steps of the whole model,
@@ -135,16 +143,19 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
     if method not in METHODS:
         raise QSyncError(f"unknown profiling method {method!r}; use one of {', '.join(METHODS)}")
     keep_freed_memory()
+    device = profile_device(device)
+    device_name = profile_device_name(device)
     precisions = [Precision.parse(p) for p in precisions]
     graph = trace_graph(model, example_inputs, target=target, loss_fn=loss_fn, method="fx")
     work = op_work(graph)
     batch = work.traced_batch_size
     phase_of = _PhaseWork(work)
     if method == "isolated":
-        times = _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmup)
+        times = _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmup,
+                                device)
     else:
         times = _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats,
-                               warmup)
+                               warmup, device)
     rows = []
     bar = tqdm(total=len(work) * len(precisions), desc="profile ops", disable=not progress)
     for p in precisions:
@@ -156,7 +167,7 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
             for phase, time_us in times(i, p, phases).items():
                 q = p if phase == "forward" else DEFAULT_BACKWARD[p]
                 flops, nbytes = phase_of(q, phase)
-                rows.append({"device": device, "op": work.names[i], "kind": work.kinds[i],
+                rows.append({"device": device_name, "op": work.names[i], "kind": work.kinds[i],
                              "shape_key": shape_key(work, i, batch), "precision": str(q),
                              "plan_precision": str(p), "phase": phase, "batch_size": batch,
                              "numel": 0, "flops": float(flops[i]), "bytes": float(nbytes[i]),
@@ -165,13 +176,14 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
     return pd.DataFrame(rows, columns=list(PROFILE_COLUMNS))
 
 
-def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmup):
-    """``times(i, precision, phases) -> {phase: µs}`` measured one op at a time."""
-    calls = _capture(model, example_inputs, target, loss_fn)
+def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmup, device):
+    """``times(i, precision, phases) -> {phase: µs}`` measured one op at a time on
+    ``device``."""
+    calls = _capture(model, example_inputs, target, loss_fn, device)
     if len(calls) != len(work):
         raise QSyncError(f"captured {len(calls)} op calls but the graph has {len(work)} ops; "
                          "the model's forward must be deterministic in structure")
-    overhead_us = autograd_call_overhead_us(repeats=repeats, warmup=warmup)
+    overhead_us = autograd_call_overhead_us(repeats=repeats, warmup=warmup, device=device)
     timed: dict[tuple[int, str], dict[str, float]] = {}
 
     def times(i: int, p: Precision, phases: list[str]) -> dict[str, float]:
@@ -179,22 +191,22 @@ def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmu
         key = (i, op.effective)  # an op that refuses p runs fp32: one measurement serves
         if key not in timed:
             timed[key] = op.time_phases(phases, repeats=repeats, warmup=warmup,
-                                        overhead_us=overhead_us)
+                                        overhead_us=overhead_us, device=device)
         return {phase: t for phase, t in timed[key].items() if phase in phases}
 
     return times
 
 
-def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, warmup):
-    """``times(i, precision, phases) -> {phase: µs}`` measured inside training steps, one
-    run of steps per precision; the backward split by the phases' FLOPs."""
+def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, warmup, device):
+    """``times(i, precision, phases) -> {phase: µs}`` measured inside training steps on
+    ``device``, one run of steps per precision; the backward split by the phases' FLOPs."""
     runs: dict[Precision, InStepTimes] = {}
     n = len(phase_of.work)
 
     def times(i: int, p: Precision, phases: list[str]) -> dict[str, float]:
         if p not in runs:
             runs[p] = time_ops_in_steps(model, example_inputs, target, loss_fn, p,
-                                        steps=repeats, warmup=warmup)
+                                        steps=repeats, warmup=warmup, device=device)
             if len(runs[p].effective) != n:
                 raise QSyncError(f"a training step ran {len(runs[p].effective)} op calls but "
                                  f"the graph has {n} ops")
@@ -211,24 +223,26 @@ def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, wa
     return times
 
 
-def autograd_call_overhead_us(*, repeats: int = 20, warmup: int = 3) -> float:
-    """Median time of one ``torch.autograd.grad`` call through a one-element clone: the
-    fixed cost of entering the autograd engine, subtracted from backward measurements.
+def autograd_call_overhead_us(*, repeats: int = 20, warmup: int = 3,
+                              device: "torch.device | str" = "cpu") -> float:
+    """Median time of one ``torch.autograd.grad`` call through a one-element clone on
+    ``device``: the fixed cost of entering the autograd engine, subtracted from backward
+    measurements.
 
     Example::
 
         >>> autograd_call_overhead_us(repeats=3, warmup=1) > 0
         True
     """
-    x = torch.zeros(1, requires_grad=True)
+    x = torch.zeros(1, requires_grad=True, device=device)
     y = x.clone()
-    g = torch.ones(1)
+    g = torch.ones(1, device=device)
     return median_time_us(lambda: torch.autograd.grad(y, x, g, retain_graph=True),
-                          repeats=repeats, warmup=warmup)
+                          repeats=repeats, warmup=warmup, device=device)
 
 
-def _capture(model, example_inputs, target, loss_fn) -> list[_Call]:
-    root, example_inputs = _loss_root(model, loss_fn, example_inputs)
+def _capture(model, example_inputs, target, loss_fn, device) -> list[_Call]:
+    root, example_inputs, target = loss_root_on(model, loss_fn, example_inputs, target, device)
     gm = symbolic_trace(root)
     capture = _Capture(gm)
     with torch.enable_grad():
@@ -273,20 +287,20 @@ class _Runnable:
                        and not any(t is p for p in params)]
 
     def time_phases(self, phases: Sequence[str], *, repeats: int, warmup: int,
-                    overhead_us: float) -> dict[str, float]:
+                    overhead_us: float, device: torch.device) -> dict[str, float]:
         out: dict[str, float] = {}
         with torch.enable_grad():
             if "forward" in phases:
                 out["forward"] = median_time_us(lambda: self.fn(*self.args, **self.kwargs),
-                                                repeats=repeats, warmup=warmup)
+                                                repeats=repeats, warmup=warmup, device=device)
             for phase, wrt, frozen in (("backward_input", self.leaves, self.params),
                                        ("backward_weight", self.params, self.leaves)):
                 if phase in phases and wrt:
-                    out[phase] = max(self._backward_us(wrt, frozen, repeats, warmup)
+                    out[phase] = max(self._backward_us(wrt, frozen, repeats, warmup, device)
                                      - overhead_us, 0.0)
         return out
 
-    def _backward_us(self, wrt, frozen, repeats: int, warmup: int) -> float:
+    def _backward_us(self, wrt, frozen, repeats: int, warmup: int, device) -> float:
         for t in frozen:
             t.requires_grad_(False)
         try:
@@ -299,7 +313,7 @@ class _Runnable:
         g = torch.randn_like(y)
         return median_time_us(lambda: torch.autograd.grad(y, wrt, g, retain_graph=True,
                                                           allow_unused=True),
-                              repeats=repeats, warmup=warmup)
+                              repeats=repeats, warmup=warmup, device=device)
 
 
 def _runnable(call: _Call, precision: Precision) -> _Runnable:

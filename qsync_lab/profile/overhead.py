@@ -48,6 +48,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.precision import Precision
 from qsync_lab.profile.fit import LineFit, fit_line
+from qsync_lab.profile.in_step import loss_root_on
 from qsync_lab.profile.ops import profile_ops
 from qsync_lab.profile.timing import median_time_us
 
@@ -66,11 +67,12 @@ MIN_R2 = 0.9  # a calibration line below this was disturbed: measure again
 
 def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int = 16,
                       repeats: int = 20, warmup: int = 3, method: str = "in_step",
-                      min_r2: float = MIN_R2, attempts: int = 3) -> LineFit:
+                      min_r2: float = MIN_R2, attempts: int = 3,
+                      device: "torch.device | str" = "cpu") -> LineFit:
     """Fit ``step_us − Σ profile rows = slope·rows + intercept`` over calibration MLPs of
-    ``depths`` Linear+ReLU blocks (see the module docstring): ``slope`` is µs per op
-    event, ``intercept`` µs per step. ``method``: the profile method whose rows the fit
-    completes (:func:`~qsync_lab.profile.profile_ops`).
+    ``depths`` Linear+ReLU blocks on ``device`` (see the module docstring): ``slope`` is
+    µs per op event, ``intercept`` µs per step. ``method``: the profile method whose rows
+    the fit completes (:func:`~qsync_lab.profile.profile_ops`).
 
     A fit with R² under ``min_r2`` was disturbed by other load on the machine (a quiet one
     gives a near-perfect line): it is measured again, at most ``attempts`` times in all,
@@ -79,7 +81,7 @@ def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int
         raise QSyncError(f"attempts must be at least 1, got {attempts}")
     best = None
     for _ in range(attempts):
-        fit = _fit_once(depths, width, batch_size, repeats, warmup, method)
+        fit = _fit_once(depths, width, batch_size, repeats, warmup, method, device)
         best = fit if best is None or fit.r2 > best.r2 else best
         if best.r2 >= min_r2:
             break
@@ -87,19 +89,19 @@ def fit_step_overhead(*, depths=DEFAULT_DEPTHS, width: int = 64, batch_size: int
 
 
 def _fit_once(depths, width: int, batch_size: int, repeats: int, warmup: int,
-              method: str) -> LineFit:
+              method: str, device) -> LineFit:
     keep_freed_memory()  # as the ranks whose steps this completes
     events, residual_us = [], []
     generator = torch.Generator().manual_seed(0)
     for depth in depths:
         torch.manual_seed(depth)
         model = nn.Sequential(*[layer for _ in range(depth)
-                                for layer in (nn.Linear(width, width), nn.ReLU())])
-        inputs = torch.randn(batch_size, width, generator=generator)
-        target = torch.randn(batch_size, width, generator=generator)
+                                for layer in (nn.Linear(width, width), nn.ReLU())]).to(device)
+        inputs = torch.randn(batch_size, width, generator=generator).to(device)
+        target = torch.randn(batch_size, width, generator=generator).to(device)
         loss_fn = nn.MSELoss()
         rows = profile_ops(model, (inputs,), target, loss_fn, ["fp32"], repeats=repeats,
-                           warmup=warmup, method=method, progress=False)
+                           warmup=warmup, method=method, progress=False, device=device)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
         def step():
@@ -107,7 +109,7 @@ def _fit_once(depths, width: int, batch_size: int, repeats: int, warmup: int,
             loss_fn(model(inputs), target).backward()
             optimizer.step()
 
-        step_us = median_time_us(step, repeats=repeats, warmup=warmup)
+        step_us = median_time_us(step, repeats=repeats, warmup=warmup, device=device)
         events.append(len(rows))
         residual_us.append(step_us - float(rows["time_us"].sum()))
     return fit_line(events, residual_us)
@@ -128,8 +130,9 @@ def step_overhead_metadata(fit: LineFit) -> dict[str, str]:
 
 def time_training_step(model: nn.Module, example_inputs, target: torch.Tensor,
                        loss_fn: nn.Module, optimizer: str, *, repeats: int = 10,
-                       warmup: int = 3) -> float:
-    """Median µs of one training step as a run takes it, on a copy of ``model``:
+                       warmup: int = 3, device: "torch.device | str" = "cpu") -> float:
+    """Median µs of one training step as a run takes it, on a copy of ``model`` on
+    ``device``:
     ``zero_grad``, forward (``model(**inputs)`` for a dict batch), loss, backward, the
     non-finite gradient check and ``optimizer``'s step (a small learning rate: the timed
     steps see nearly the same weights).
@@ -142,10 +145,8 @@ def time_training_step(model: nn.Module, example_inputs, target: torch.Tensor,
         >>> step_us > 0
         True
     """
-    from qsync_lab.graph.opgraph import _loss_root
-
-    root, inputs = _loss_root(copy.deepcopy(model), loss_fn, example_inputs)
-    return _median_step_us(root, inputs, target, optimizer, repeats, warmup)
+    root, inputs, target = loss_root_on(model, loss_fn, example_inputs, target, device)
+    return _median_step_us(root, inputs, target, optimizer, repeats, warmup, device)
 
 
 def time_ddp_training_steps(model: nn.Module, example_inputs, target: torch.Tensor,
@@ -202,7 +203,7 @@ def uniform_op_precisions(ops: pd.DataFrame, precision: "Precision | str") -> di
 
 
 def _median_step_us(root: nn.Module, inputs: tuple, target: torch.Tensor, optimizer: str,
-                    repeats: int, warmup: int) -> float:
+                    repeats: int, warmup: int, device="cpu") -> float:
     """Median µs of ``root``'s training step (``root(*inputs, target)`` is the loss)."""
     from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
 
@@ -215,7 +216,7 @@ def _median_step_us(root: nn.Module, inputs: tuple, target: torch.Tensor, optimi
             opt.step()
 
     keep_freed_memory()  # as the ranks whose steps this predicts
-    return median_time_us(step, repeats=repeats, warmup=warmup)
+    return median_time_us(step, repeats=repeats, warmup=warmup, device=device)
 
 
 def model_step_overhead_metadata(step_us: float, fp32_rows_us: float,
@@ -235,17 +236,19 @@ def model_step_overhead_metadata(step_us: float, fp32_rows_us: float,
             EVENT_OVERHEAD_KEY: "0.000; held in step_overhead_us (measured on this model)"}
 
 
-def measured_step_overhead_metadata(frames, model: nn.Module, optimizer: str) -> dict[str, str]:
+def measured_step_overhead_metadata(frames, model: nn.Module, optimizer: str,
+                                    device: str = "cpu") -> dict[str, str]:
     """:func:`model_step_overhead_metadata` of profile ``frames`` (one per batch size, each
     with ``attrs["training_step_us"]``), the mean over them: each measured training step
-    minus its fp32 op rows and the optimizer step as the cost model costs it."""
+    minus its fp32 op rows and the optimizer step as the cost model costs it on catalog
+    kind ``device``."""
     from qsync_lab.costs import CostModel
     from qsync_lab.devices import load_catalog
     from qsync_lab.resources import data_file
 
     param_bytes = 4.0 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
-        param_bytes, optimizer, load_catalog().device("cpu")).us
+        param_bytes, optimizer, load_catalog().device(device)).us
     steps_us = [frame.attrs["training_step_us"] for frame in frames]
     rows_us = [float(frame.loc[frame["precision"] == "fp32", "time_us"].sum())
                for frame in frames]

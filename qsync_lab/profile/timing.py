@@ -1,11 +1,29 @@
-"""Timing primitives of the profiler: median wall time of a callable, and the run's metadata.
+"""Timing primitives of the profiler: timers chosen by device, the median wall time of a
+callable, and the run's metadata.
 
-On the CPU a call is timed with ``time.perf_counter_ns`` around it; on CUDA with a pair of
-CUDA events recorded around it and synchronised once per repeat. Warm-up calls are run
-first and discarded; the result is the median of ``repeats`` timed calls.
+A timer times spans of work between marks and sums them per key:
+
+* :class:`HostTimer` (CPU, synchronous work): a mark is ``time.perf_counter_ns()``, and a
+  span is added as soon as it ends;
+* :class:`CudaEventTimer` (CUDA, asynchronous work): a mark is a CUDA event recorded on the
+  device's current stream (``torch.cuda.Event(enable_timing=True)``), and nothing is read
+  until :meth:`CudaEventTimer.totals_ns`, which synchronises the device once and resolves
+  every span with ``elapsed_time``: timing never stalls the stream in between.
+
+:func:`timer_for` picks one by the device the work runs on. :func:`median_time_us` times
+one call per repeat with it (a CUDA repeat is synchronised once, after its end event);
+warm-up calls are run first and discarded; the result is the median of ``repeats`` timed
+calls.
+(:mod:`qsync_lab.profile.device` checks the device a profile runs on and names its rows.)
 
 Example::
 
+    >>> timer = timer_for("cpu")
+    >>> begin = timer.mark(); _ = sum(range(100)); timer.add("sum", begin, timer.mark())
+    >>> list(timer.totals_ns()), timer.totals_ns()["sum"] > 0
+    (['sum'], True)
+    >>> type(timer_for("cuda:0")).__name__
+    'CudaEventTimer'
     >>> median_time_us(lambda: sum(range(100)), repeats=5, warmup=1) > 0
     True
     >>> sorted(run_metadata("cpu", threads=1))[:3]
@@ -31,9 +49,11 @@ import torch
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["intra_op_threads", "median_time_us", "run_metadata", "spawned_numba_threads"]
+__all__ = ["CudaEventTimer", "HostTimer", "intra_op_threads", "median_time_us", "run_metadata",
+           "spawned_numba_threads", "timer_for"]
 
 _NS_PER_US = 1e3
+_NS_PER_MS = 1e6
 
 
 @contextmanager
@@ -81,34 +101,79 @@ def spawned_numba_threads(threads: int) -> Iterator[None]:
             os.environ["NUMBA_NUM_THREADS"] = before
 
 
+class HostTimer:
+    """Spans read off the host clock as they end (synchronous work: the CPU)."""
+
+    def __init__(self) -> None:
+        self._ns: dict = {}
+
+    def mark(self) -> int:
+        """Now, in ns (``time.perf_counter_ns``)."""
+        return time.perf_counter_ns()
+
+    def add(self, key, begin: int, end: int) -> None:
+        """Add the span from mark ``begin`` to mark ``end`` to ``key``'s total."""
+        self._ns[key] = self._ns.get(key, 0) + (end - begin)
+
+    def totals_ns(self) -> dict:
+        """Each key's summed spans, ns."""
+        return dict(self._ns)
+
+
+class CudaEventTimer:
+    """Spans between CUDA events on ``device``'s current stream, all resolved at once by
+    :meth:`totals_ns` after one synchronise (asynchronous work: a GPU)."""
+
+    def __init__(self, device: "torch.device | str") -> None:
+        self.device = torch.device(device)
+        self._spans: list = []
+
+    def mark(self):
+        """A timing event recorded now on the device's current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def add(self, key, begin, end) -> None:
+        """Keep the span from event ``begin`` to event ``end`` for ``key`` (read later)."""
+        self._spans.append((key, begin, end))
+
+    def totals_ns(self) -> dict:
+        """Synchronise the device, then each key's summed spans, ns."""
+        torch.cuda.synchronize(self.device)
+        totals: dict = {}
+        for key, begin, end in self._spans:
+            totals[key] = totals.get(key, 0.0) + begin.elapsed_time(end) * _NS_PER_MS
+        return totals
+
+
+def timer_for(device: "torch.device | str") -> "HostTimer | CudaEventTimer":
+    """A :class:`CudaEventTimer` for a CUDA device, else a :class:`HostTimer`."""
+    device = torch.device(device)
+    return CudaEventTimer(device) if device.type == "cuda" else HostTimer()
+
+
 def median_time_us(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3,
-                   cuda: bool = False) -> float:
+                   device: "torch.device | str" = "cpu") -> float:
     """Median duration of ``fn()`` in µs over ``repeats`` calls after ``warmup`` calls.
 
     Args:
         fn: the work to time (its result is discarded).
         repeats: timed calls (at least 1).
         warmup: untimed calls first.
-        cuda: time with CUDA events (the work runs on the current CUDA device).
+        device: where the work runs; it picks the timer (:func:`timer_for`).
     """
     if repeats < 1 or warmup < 0:
         raise QSyncError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     for _ in range(warmup):
         fn()
     samples = []
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-    else:
-        for _ in range(repeats):
-            begin = time.perf_counter_ns()
-            fn()
-            samples.append((time.perf_counter_ns() - begin) / _NS_PER_US)
+    for _ in range(repeats):
+        timer = timer_for(device)
+        begin = timer.mark()
+        fn()
+        timer.add(None, begin, timer.mark())
+        samples.append(timer.totals_ns()[None] / _NS_PER_US)
     return float(statistics.median(samples))
 
 

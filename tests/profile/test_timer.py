@@ -1,0 +1,177 @@
+"""Timers chosen by device: host-clock spans on the CPU, CUDA events resolved once per step
+on a GPU (checked here with a fake event class), GPU names mapped to catalog kinds, and a
+real-GPU profile (``--gpu``)."""
+
+import itertools
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from qsync_lab.costs import PROFILE_COLUMNS, load_cost_model, read_profile
+from qsync_lab.devices import load_catalog
+from qsync_lab.errors import QSyncError
+from qsync_lab.profile import ProfileJob, in_step, profile_machine, timing
+from qsync_lab.profile.machine import SINGLE_GPU_NOTE
+from qsync_lab.profile.device import gpu_kind, profile_device, profile_device_name
+from qsync_lab.profile.timing import CudaEventTimer, HostTimer, median_time_us, timer_for
+
+GIB = 2**30
+MS_PER_RECORD = 1.0  # the fake GPU clock advances this much at each recorded event
+
+
+class _FakeEvent:
+    """A CUDA event on a fake clock that logs each call; reading one before the device
+    is synchronised is an error, as on a GPU."""
+
+    log: list = []
+    clock = itertools.count()
+    synchronized = False
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.ms = None
+
+    def record(self, stream=None) -> None:
+        assert stream == "stream"
+        type(self).synchronized = False
+        self.ms = next(self.clock) * MS_PER_RECORD
+        self.log.append("record")
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert self.synchronized, "elapsed_time before the device was synchronised"
+        self.log.append("elapsed")
+        return end.ms - self.ms
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's events, stream and synchronise replaced by fakes; the call log."""
+    log = []
+
+    def synchronize(device=None):
+        log.append("synchronize")
+        _FakeEvent.synchronized = True
+
+    monkeypatch.setattr(_FakeEvent, "log", log)
+    monkeypatch.setattr(_FakeEvent, "clock", itertools.count())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    return log
+
+
+def test_the_timer_follows_the_device():
+    assert type(timer_for("cpu")) is HostTimer
+    assert type(timer_for(torch.device("cpu"))) is HostTimer
+    assert type(timer_for("cuda")) is CudaEventTimer
+    assert timer_for("cuda:1").device == torch.device("cuda", 1)
+
+
+def test_the_host_timer_is_two_clock_reads_per_span(monkeypatch):
+    ticks = iter([0, 1_000, 5_000, 7_000, 10_000, 13_000])
+    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(ticks))
+    # three repeats of 1, 2 and 3 µs: the median, in µs, as perf_counter_ns gave them
+    assert median_time_us(lambda: None, repeats=3, warmup=0) == 2.0
+    timer = HostTimer()
+    timer.add("a", 10, 15)
+    timer.add("a", 20, 30)
+    timer.add("b", 0, 1)
+    assert timer.totals_ns() == {"a": 15, "b": 1}
+
+
+def test_cuda_spans_are_read_once_after_one_synchronise(fake_cuda):
+    timer = CudaEventTimer("cuda")
+    marks = [timer.mark() for _ in range(4)]  # the fake clock: 0, 1, 2, 3 ms
+    timer.add("x", marks[0], marks[1])
+    timer.add("y", marks[1], marks[2])
+    timer.add("x", marks[2], marks[3])
+    assert fake_cuda == ["record"] * 4  # nothing is read while the work runs
+    totals = timer.totals_ns()
+    assert fake_cuda == ["record"] * 4 + ["synchronize"] + ["elapsed"] * 3
+    assert totals == {"x": 2e6, "y": 1e6}
+
+
+def test_in_step_timing_with_cuda_events_syncs_once_per_step(fake_cuda, monkeypatch):
+    """The in-step bookkeeping with CUDA events (ops run on the CPU, timed by the fake
+    clock): each op's call is one 1 ms span, each autograd node it created another."""
+    monkeypatch.setattr(in_step, "timer_for", lambda device: CudaEventTimer("cuda"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    steps, warmup = 2, 1
+    t = in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
+                                  nn.CrossEntropyLoss(), "fp32", steps=steps, warmup=warmup)
+    # per step: its events recorded, one synchronise, then its spans read
+    assert re.fullmatch(r"(record )+synchronize (elapsed )+" * (steps + warmup),
+                        " ".join(fake_cuda) + " ")
+    assert t.forward_us.tolist() == [1000.0] * 4  # 3 layers and the loss, 1 ms each
+    assert all(us > 0 and us % 1000 == 0 for us in t.backward_us)  # whole nodes, per op
+    elapsed_per_step = fake_cuda.count("elapsed") // (steps + warmup)
+    assert elapsed_per_step == len(t.forward_us) + sum(t.backward_us) / 1000
+
+
+def test_gpu_names_map_to_catalog_kinds():
+    catalog = load_catalog()
+    h100 = dict(memory_bytes=85_520_809_984, compute_capability=(9, 0))
+    assert gpu_kind(catalog, "NVIDIA H100 80GB HBM3", **h100) == "H100-SXM5-80GB"
+    assert gpu_kind(catalog, "NVIDIA H100 PCIe", **h100) is None  # another form factor
+    assert gpu_kind(catalog, "NVIDIA H100 80GB HBM3", memory_bytes=h100["memory_bytes"],
+                    compute_capability=(8, 0)) is None
+    assert gpu_kind(catalog, "Tesla V100-SXM2-32GB", memory_bytes=int(31.7 * GIB),
+                    compute_capability=(7, 0)) == "V100-SXM2-32GB"
+    assert gpu_kind(catalog, "Tesla T4", memory_bytes=int(14.6 * GIB),
+                    compute_capability=(7, 5)) == "T4"
+    assert gpu_kind(catalog, "NVIDIA A10", memory_bytes=22 * GIB,
+                    compute_capability=(8, 6)) == "A10"
+    assert gpu_kind(catalog, "NVIDIA A100 80GB PCIe", memory_bytes=int(79.2 * GIB),
+                    compute_capability=(8, 0)) is None
+
+
+def test_the_rows_name_the_gpus_catalog_kind_else_its_own_name(monkeypatch):
+    gpus = {"H100": SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_520_809_984,
+                                    major=9, minor=0),
+            "new": SimpleNamespace(name="NVIDIA Z9 Ultra", total_memory=200 * GIB, major=12,
+                                   minor=0)}
+    for key, expected in (("H100", "H100-SXM5-80GB"), ("new", "NVIDIA Z9 Ultra")):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, g=gpus[key]: g)
+        assert profile_device_name("cuda") == expected
+    assert profile_device_name("cpu") == "cpu"
+
+
+def test_a_profile_runs_on_the_cpu_or_a_visible_gpu(monkeypatch):
+    assert profile_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(QSyncError, match="no CUDA GPU"):
+        profile_device("cuda")
+    with pytest.raises(QSyncError, match="cannot profile on meta"):
+        profile_device("meta")
+    with pytest.raises(QSyncError, match="unknown profiling device"):
+        profile_device("gpu0")
+
+
+@pytest.mark.gpu
+def test_a_gpu_profile_has_every_precision_and_phase(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 64))
+    job = ProfileJob("mlp", model, (torch.randn(64, 256),), torch.randint(0, 64, (64,)),
+                     nn.CrossEntropyLoss())
+    precisions = ["fp32", "bf16", "fp16", "int8"]
+    out = tmp_path / "gpu.csv"
+    written = profile_machine([job], out, precisions=precisions, repeats=3, progress=False,
+                              device="cuda")
+    table = read_profile(out)
+    rows, name = table.frame, profile_device_name("cuda")
+    assert list(rows.columns) == list(PROFILE_COLUMNS) and set(rows["device"]) == {name}
+    assert table.metadata["device"] == name and table.metadata["skipped"] == SINGLE_GPU_NOTE
+    assert written.link == SINGLE_GPU_NOTE
+    ops = rows[rows["phase"] != "cast"]
+    for precision in precisions:
+        mine = ops[ops["plan_precision"] == precision]
+        assert set(mine["phase"]) == {"forward", "backward_input", "backward_weight"}
+        assert (mine["time_us"] > 0).all()
+    assert (rows.loc[rows["phase"] == "cast", "time_us"] > 0).all()
+    if name in load_catalog().devices:  # the cost model attributes the rows to that kind
+        assert load_cost_model(out).profiles[0].op_time_us(name, "0", "bf16", "forward",
+                                                           64) > 0
