@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA, PyTorch, Numba and numba-cuda installed
 # (CI has no GPU; see README "GPU"). Logs go to $OUT (default: ./gpu_out).
-#   bash benchmarks/gpu_check.sh [step ...]   steps: tests kernels buckets hooks quant (default: all)
+#   bash benchmarks/gpu_check.sh [step ...]   steps: tests kernels buckets hooks quant train
+#                                             (default: all)
 #   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
+# train: benchmarks/gpu_training.py, the training step of BERT-base, ResNet-50 and a GPT decoder
+#   under each plan (fp32 ... fp8, qsync) beside plain torch (eager, TF32, autocast), measured
+#   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (rows that
+#   start after 180 s are skipped, so the step ends within its 240 s)
 # Each step has its own time limit, so one stuck step cannot hide the others' results.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STEPS=${*:-tests kernels buckets hooks quant}
+STEPS=${*:-tests kernels buckets hooks quant train}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 step() {  # step NAME SECONDS COMMAND...: run it, log it, say how it ended
@@ -65,6 +70,8 @@ for name in $STEPS; do
         buckets) step buckets 80 $PY benchmarks/compression.py --device cuda --worlds 1 \
                      --skip-runs --repeats 20 ;;
         quant) step quant 90 "${PYTEST[@]}" -m gpu tests/quant ;;
+        train) step train 240 $PY benchmarks/gpu_training.py --kernels --budget-s 180 \
+                   --out "$OUT" ;;
         *) echo "unknown step $name" ;;
     esac
 done

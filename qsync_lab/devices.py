@@ -62,6 +62,10 @@ class DeviceSpec:
         precisions: the precisions the device runs (the CPU emulates all of them).
         emulated: True when low precisions are emulated in fp32 arithmetic (the CPU).
         source: where the numbers come from.
+        compute_efficiency: op kind -> measured fraction of the peak its ops reach (the
+            roofline's factor for those kinds on this device; empty: the defaults).
+        memory_efficiency: measured fraction of ``memory_bandwidth_Bps`` a streaming
+            copy reaches, the roofline's memory factor for every kind (None: the defaults).
     """
 
     name: str
@@ -74,6 +78,8 @@ class DeviceSpec:
     precisions: frozenset[Precision]
     emulated: bool
     source: str
+    compute_efficiency: Mapping[str, float] = field(default_factory=dict, hash=False)
+    memory_efficiency: float | None = None
 
     @property
     def precision_list(self) -> tuple[Precision, ...]:
@@ -266,7 +272,8 @@ def _build_catalog(sources: Iterable["Traversable | str | os.PathLike[str]"]) ->
     return DeviceCatalog(MappingProxyType(devices), MappingProxyType(links))
 
 
-_DEVICE_KEYS = ("vendor", "kind", "memory_gib", "memory_bandwidth_GBps", "peak_tflops", "source")
+_DEVICE_KEYS = ("vendor", "kind", "memory_gib", "memory_bandwidth_GBps", "peak_tflops", "source",
+                "compute_efficiency", "memory_efficiency")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us", "source")
 
 
@@ -291,7 +298,15 @@ def _parse_device(name: str, table: TomlTable, rules: Mapping[Precision, _Rule])
         precisions=precisions,
         emulated=kind == "cpu",
         source=table.string("source"),
+        compute_efficiency=_parse_efficiencies(table.table("compute_efficiency", {})),
+        memory_efficiency=(table.number("memory_efficiency", maximum=1.0)
+                           if "memory_efficiency" in table.data else None),
     )
+
+
+def _parse_efficiencies(table: TomlTable) -> Mapping[str, float]:
+    """``compute_efficiency``: op kind -> a fraction in (0, 1]."""
+    return MappingProxyType({kind: table.number(kind, maximum=1.0) for kind in table.data})
 
 
 def _parse_peaks(

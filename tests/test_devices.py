@@ -21,6 +21,7 @@ SHIPPED_DEVICES = {
     "A100-SXM4-40GB",
     "A100-SXM4-80GB",
     "H100-SXM5-80GB",
+    "H200-SXM-141GB",
     "RTX-3090",
     "RTX-4090",
     "cpu",
@@ -95,6 +96,7 @@ def test_every_shipped_device_and_link_loads():
         ("A10", set(Precision) - FP8),
         ("L4", set(Precision)),
         ("H100-SXM5-80GB", set(Precision)),
+        ("H200-SXM-141GB", set(Precision)),
         ("RTX-4090", set(Precision)),
     ],
 )
@@ -128,6 +130,47 @@ def test_peaks_and_sizes_are_converted_to_si_units():
     assert h100.peak_flops_for("fp8_e4m3") == pytest.approx(1978.9e12)
     assert catalog.link("nvlink2").bandwidth_Bps == pytest.approx(150e9)
     assert catalog.link("eth_100g").latency_s == pytest.approx(20e-6)
+
+
+def test_h200_has_the_h100s_compute_and_its_own_memory():
+    catalog = load_catalog()
+    h200, h100 = catalog.device("h200-sxm-141gb"), catalog.device("H100-SXM5-80GB")
+    assert h200.compute_capability == (9, 0) and h200.supports("fp8_e4m3")
+    assert dict(h200.peak_flops) == dict(h100.peak_flops)
+    assert h200.peak_flops_for("bf16") == pytest.approx(989.4e12)
+    assert h200.peak_flops_for("fp8_e4m3") == pytest.approx(1978.9e12)
+    assert h200.memory_bandwidth_Bps == pytest.approx(4800e9)
+    assert h200.memory_bytes == 141 * 2**30
+    assert "H200" in h200.source and "datasheet" in h200.source
+    assert catalog.to_frame().loc["H200-SXM-141GB", "bandwidth_GBps"] == 4800
+
+
+def test_hopper_efficiencies_are_the_measured_ratios():
+    """GEMM TFLOP/s and copy TB/s measured on the lent GPUs, over the datasheet's figures."""
+    catalog = load_catalog()
+    h100, h200 = catalog.device("H100-SXM5-80GB"), catalog.device("H200-SXM-141GB")
+    assert dict(h200.compute_efficiency) == {"linear": pytest.approx(788 / 989.4, abs=1e-3)}
+    assert dict(h100.compute_efficiency) == {"linear": pytest.approx(798 / 989.4, abs=1e-3)}
+    assert h200.memory_efficiency == pytest.approx(4.3 / 4.8, abs=1e-3)
+    assert h100.memory_efficiency == pytest.approx(3.0 / 3.35, abs=1e-3)
+    t4 = catalog.device("T4")
+    assert not t4.compute_efficiency and t4.memory_efficiency is None
+
+
+def test_cluster_command_shows_an_h200_cluster(tmp_path, capsys):
+    from qsync_lab.cli import main
+
+    path = write(tmp_path, """
+        name = "one-h200"
+        batch_size = 32
+        [[node]]
+        name = "n0"
+        intra_node_link = "nvlink4"
+        devices = [{ kind = "H200-SXM-141GB", count = 1 }]
+        """, "h200.toml")
+    assert main(["cluster", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "one-h200" in out and "1 x H200-SXM-141GB" in out
 
 
 def test_cpu_entry_is_emulated_and_supports_every_precision():
@@ -351,6 +394,16 @@ MALFORMED_CATALOGS = {
         LINK_ENTRY.replace('source = "x"\n', ""),
         "link.x.source",
         "missing; expected a non-empty string",
+    ),
+    "efficiency-over-one": (
+        t4_entry() + "memory_efficiency = 1.2\n",
+        "device.T4.memory_efficiency",
+        "over the limit of 1",
+    ),
+    "efficiency-value": (
+        t4_entry() + "compute_efficiency = { linear = 0 }\n",
+        "device.T4.compute_efficiency.linear",
+        "expected a positive number, got 0",
     ),
     "schema": ("schema_version = 2\n", "schema_version", "expected 1, got 2"),
     "top-key": (

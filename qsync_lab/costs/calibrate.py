@@ -76,13 +76,14 @@ def calibrate_efficiency(measured: pd.DataFrame, device: DeviceSpec, *,
         measured: rows with columns ``device, kind, precision, phase, flops, bytes,
             time_us`` (a profile's ``frame``).
         device: the device the rows were measured on (rows of other devices are skipped).
-        base: the starting roofline (default :func:`default_roofline`).
+        base: the starting roofline (default :func:`default_roofline` with ``device``'s
+            catalog efficiencies).
         source: where the rows come from; the result's source is ``"fit:<source>"``.
 
     Returns:
         A new :class:`Roofline` for ``device``.
     """
-    base = base if base is not None else default_roofline()
+    base = base if base is not None else default_roofline().for_device(device)
     rows = measured[(measured["device"] == device.name) & measured["phase"].isin(OP_PHASES)]
     if rows.empty:
         raise QSyncError(f"no measured op rows for device {device.name!r} in {source}; "

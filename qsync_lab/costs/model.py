@@ -6,7 +6,8 @@ Every answer carries its source, in this order of preference:
    precision, phase, batch size);
 2. ``fit:<file>`` — the roofline with efficiencies calibrated on that device's measured
    rows, or a cast line fitted to measured casts;
-3. ``roofline`` — the catalog's peaks and bandwidth with the initial efficiency table;
+3. ``roofline`` — the catalog's peaks and bandwidth with the initial efficiency table, or
+   the catalog's measured efficiencies where the device has them;
 4. ``alpha-beta:<link>`` — allreduces, from the catalog link, or from the link's measured
    α–β fit (``link_fits``, :func:`qsync_lab.costs.read_link_fits`) when the model has one.
 
@@ -38,10 +39,11 @@ from qsync_lab.costs.calibrate import (CastFit, calibrate_efficiency, fit_cast_c
 from qsync_lab.costs.comm import broadcast_us, ring_allgather_us, ring_allreduce_us, slowest_link
 from qsync_lab.costs.profiles import OP_PHASES, ProfileTable, read_profile
 from qsync_lab.costs.roofline import Roofline, default_roofline
-from qsync_lab.costs.work import OpWork, phase_work, shape_key
+from qsync_lab.costs.work import OpWork, batch_scales, phase_work, shape_key
 from qsync_lab.devices import DeviceCatalog, DeviceSpec, LinkSpec, load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.optimizers import optimizer_state_count
+from qsync_lab.policy import PLANNABLE_KINDS, runs_natively
 from qsync_lab.precision import Precision
 
 #: suffix of a link's measured DDP buffer broadcast in ``link_fits``
@@ -71,7 +73,7 @@ class CostModel:
 
     Attributes:
         rooflines: device name -> calibrated :class:`Roofline`; other devices use
-            ``default_roofline``.
+            ``default_roofline`` with their catalog efficiencies.
         default_roofline: the roofline for uncalibrated devices.
         profiles: measured tables, searched in order; the first match wins.
         cast_fits: (device, src, dst) -> :class:`CastFit`.
@@ -191,8 +193,10 @@ class CostModel:
             precision_op_overhead_us=MappingProxyType(op_overheads), **overheads)
 
     def roofline_for(self, device: DeviceSpec) -> Roofline:
-        """The calibrated roofline of ``device``, else the default one."""
-        return self.rooflines.get(device.name, self.default_roofline)
+        """The calibrated roofline of ``device``, else the default one with the device's
+        catalog efficiencies (:meth:`Roofline.for_device`)."""
+        calibrated = self.rooflines.get(device.name)
+        return calibrated if calibrated is not None else self.default_roofline.for_device(device)
 
     def op_times_us(self, work: OpWork, precisions: Sequence["Precision | str"],
                     device: DeviceSpec, *, batch_size: int, phase: str,
@@ -213,6 +217,10 @@ class CostModel:
         flops, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
         roofline = self.roofline_for(device)
         times = roofline.times_us(flops, nbytes, work.kinds, device, precisions)
+        emulated = _emulated_on_gpu(work, keys, device)
+        if emulated.any():
+            times = np.where(emulated, self._emulated_times_us(work, keys, device, batch_size,
+                                                               phase), times)
         sources = [roofline.source] * len(work)
         tables = [t for t in self.profiles if any(k[0] == device.name for k in t.by_op)
                   or any(k[0] == device.name for k in t.by_shape)]
@@ -228,6 +236,22 @@ class CostModel:
                         times[i], sources[i] = found, table.source
                         break
         return times, sources
+
+    def _emulated_times_us(self, work: OpWork, keys: Sequence["Precision | str"],
+                           device: DeviceSpec, batch_size: int, phase: str) -> np.ndarray:
+        """What a GPU's emulation of each op costs (:func:`~qsync_lab.policy.runs_natively`
+        is False): the fp32 work, plus encoding its operands to the plan's precision."""
+        fp32 = [Precision.FP32] * len(work)
+        flops, nbytes = phase_work(work, fp32, phase, batch_size=batch_size)
+        roofline = self.roofline_for(device)
+        times = roofline.times_us(flops, nbytes, work.kinds, device, fp32)
+        operands = (work.act_read_bytes * batch_scales(work, batch_size)
+                    + work.weight_read_bytes) / 4
+        for precision in set(map(Precision.parse, keys)) - {Precision.FP32}:
+            mask = np.array([Precision.parse(k) is precision for k in keys])
+            encode, _ = self.cast_times_us(operands[mask], Precision.FP32, precision, device)
+            times[mask] += encode
+        return times
 
     def op_time_us(self, work: OpWork, op: str, precision: "Precision | str",
                    device: DeviceSpec, *, batch_size: int, phase: str = "forward") -> Cost:
@@ -388,3 +412,18 @@ def _metadata_number(table: ProfileTable, key: str) -> float:
     except ValueError:
         raise QSyncError(f"{table.source}: metadata {key!r} must start with a number, "
                          f"got {table.metadata[key]!r}") from None
+
+
+def _emulated_on_gpu(work: OpWork, precisions: Sequence["Precision | str"],
+                     device: DeviceSpec) -> np.ndarray:
+    """Per op, whether ``device`` (a GPU) emulates it in its plan precision."""
+    if device.emulated:
+        return np.zeros(len(work), bool)
+    native = {}
+    for kind, precision in zip(work.kinds, precisions):
+        pair = (kind, Precision.parse(precision))
+        if pair not in native:
+            native[pair] = (pair[1] is Precision.FP32 or pair[0] not in PLANNABLE_KINDS
+                            or runs_natively(*pair, device))
+    return np.array([not native[(k, Precision.parse(p))]
+                     for k, p in zip(work.kinds, precisions)], bool)

@@ -5,8 +5,10 @@ bytes / (memory_bandwidth * memory_efficiency[kind])) + launch_us`` for an op th
 any work, and 0 for one that does none (views).
 
 The efficiency factors are data: :data:`DEFAULT_EFFICIENCY` holds *initial values*, not
-measurements. :func:`qsync_lab.costs.calibrate_efficiency` fits them per device from a
-measured profile, and the resulting :class:`Roofline` records where its numbers came from.
+measurements. A catalog entry may carry measured factors of its own (``compute_efficiency``,
+``memory_efficiency`` in ``devices.toml``), which :meth:`Roofline.for_device` puts in their
+place; :func:`qsync_lab.costs.calibrate_efficiency` fits them per device from a measured
+profile, and the resulting :class:`Roofline` records where its numbers came from.
 
 Example::
 
@@ -19,6 +21,7 @@ Example::
     48.96
 """
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -106,6 +109,27 @@ class Roofline:
         busy = (flops > 0) | (nbytes > 0)
         return np.where(busy, np.maximum(compute_s, memory_s) * US_PER_SECOND + self.launch_us,
                         0.0)
+
+    def for_device(self, device: DeviceSpec) -> "Roofline":
+        """This roofline with ``device``'s catalog efficiencies in place of its factors
+        (itself when the catalog has none for the device).
+
+        Example::
+
+            >>> from qsync_lab.devices import load_catalog
+            >>> h200 = load_catalog().device("H200-SXM-141GB")
+            >>> roof = default_roofline().for_device(h200)
+            >>> roof.efficiency(["linear", "conv2d"])[0].tolist(), roof.memory_efficiency["other"]
+            ([0.796, 0.6], 0.896)
+        """
+        if not device.compute_efficiency and device.memory_efficiency is None:
+            return self
+        memory = (self.memory_efficiency if device.memory_efficiency is None
+                  else dict.fromkeys(self.memory_efficiency, device.memory_efficiency))
+        return dataclasses.replace(
+            self, compute_efficiency=MappingProxyType({**self.compute_efficiency,
+                                                       **device.compute_efficiency}),
+            memory_efficiency=MappingProxyType(memory))
 
     def to_frame(self) -> pd.DataFrame:
         """One row per kind: ``compute_efficiency, memory_efficiency``.

@@ -1,11 +1,13 @@
 """Roofline numbers against hand calculations on catalog devices."""
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
 
-from qsync_lab.costs import CostModel, Roofline, default_roofline, op_work
+from qsync_lab.costs import (CostModel, Roofline, calibrate_efficiency, default_roofline,
+                             op_work)
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
@@ -74,3 +76,26 @@ def test_roofline_table_is_data():
     v100 = load_catalog().device("V100-SXM2-32GB")
     zero = default_roofline().times_us(np.zeros(1), np.zeros(1), ["view"], v100, ["fp32"])
     assert zero.tolist() == [0.0]
+
+
+def test_catalog_efficiencies_replace_the_defaults_on_their_device(big_linear):
+    """The H200's measured GEMM and copy ratios cost its ops; other devices keep the
+    initial factors, and a profile's calibration starts from the catalog's."""
+    catalog = load_catalog()
+    h200, a100 = catalog.device("H200-SXM-141GB"), catalog.device("A100-SXM4-80GB")
+    flops = 2 * 512 * 1024 * 4096 + 512 * 4096  # batch 512
+    cost = CostModel().op_time_us(big_linear, "linear", "bf16", h200, batch_size=512)
+    assert cost.us == pytest.approx(flops / (989.4e12 * 0.796) * 1e6 + 5.0)
+    assert cost.source == "roofline"
+    nbytes = 1 * 1024 * 4 + (1024 * 4096 + 4096) * 4 + 1 * 4096 * 4  # batch 1, fp32
+    small = CostModel().op_time_us(big_linear, "linear", "fp32", h200, batch_size=1)
+    assert small.us == pytest.approx(nbytes / (4800e9 * 0.896) * 1e6 + 5.0)
+    model = CostModel()
+    assert model.roofline_for(h200).efficiency(["conv2d"])[0].tolist() == [0.6]  # the default
+    assert model.roofline_for(a100) is model.default_roofline
+    conv_rows = pd.DataFrame({"device": h200.name, "kind": "conv2d", "precision": "bf16",
+                              "phase": "forward", "flops": [1e12], "bytes": [1e6],
+                              "time_us": [2e3 + 5]})
+    fitted = calibrate_efficiency(conv_rows, h200)
+    assert fitted.efficiency(["conv2d", "linear"])[0] == pytest.approx([1 / 1.9788, 0.796])
+    assert fitted.memory_efficiency["linear"] == 0.896
