@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes)")
     run.add_argument("--max-restarts", type=int, default=0,
                      help="restarts after a worker fails (use with --resume)")
+    run.add_argument("--oversubscribe", action="store_true",
+                     help="start the ranks even when they are more than twice this machine's "
+                     "cores (each step then takes many times its prediction)")
     run.add_argument("--verbose", action="store_true",
                      help="show torchrun's and the ranks' output (default: in run-dir/launch.log)")
     run.set_defaults(run=_cmd_run)
@@ -402,7 +405,8 @@ def _cmd_run(args) -> None:
 
     summary = launch(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                     threads=args.threads, verbose=args.verbose)
+                     threads=args.threads, verbose=args.verbose,
+                     oversubscribe=args.oversubscribe)
     if summary is not None:
         from qsync_lab.runtime.metrics import summary_line
 

@@ -3,7 +3,10 @@
 A plan says, for one model on one cluster, which batch size every rank runs, how every
 planned op computes on each device kind (forward and backward precision, rounding,
 granularity: :class:`~qsync_lab.policy.OpPrecision`), which optimizer the run uses (the
-memory model counts its state) and how gradients are compressed. It carries the cluster's
+memory model counts its state), how gradients are compressed, and what it was made under:
+its strategy (with the optimizer and compression, its settings) and the constraints
+(:class:`~qsync_lab.constraints.Constraints`: per-kind memory budgets, the throughput
+target; ``None`` in a file written before plans recorded them). It carries the cluster's
 definition, not a path, so it can be moved to the cluster it is for. It is written as
 ``{"_type": "qsync_lab.Plan", "_version": 2, "_data": {...}}`` (torchao's config
 practice), atomically, and checked in full on load: every field's type and bounds (batch
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from qsync_lab.cluster import Cluster, cluster_from_definition, list_clusters, load_cluster
 from qsync_lab.compress.spec import CompressionSettings
+from qsync_lab.constraints import Constraints
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_text
 from qsync_lab.limits import (MAX_BATCH_SIZE, MAX_RANKS, check_json_data, loads_json,
@@ -65,6 +69,7 @@ SCHEMA_VERSION = 2
 _DOCUMENT_KEYS = ("_type", "_version", "_data")
 _DATA_KEYS = ("model", "cluster", "ranks", "precisions", "optimizer", "compression",
               "strategy")
+_OPTIONAL_DATA_KEYS = ("constraints",)  # absent in files written before plans recorded them
 _MODEL_KEYS = ("name", "kwargs", "fingerprint")
 _CLUSTER_KEYS = ("name", "sha256", "definition")
 _RANK_KEYS = {"rank": "an integer", "device": "a device kind", "batch_size": "an integer"}
@@ -115,6 +120,9 @@ class Plan:
         strategy: which allocator made the plan.
         model_name: the zoo model planned for, if any (the runtime builds it from this).
         model_kwargs: the zoo model's keyword arguments.
+        constraints: the memory budgets and throughput target the plan was made under
+            (None: not recorded, a plan file from before they were). Not compared: plans
+            that run the same are equal, whatever they were made under.
     """
 
     model_fingerprint: str
@@ -126,6 +134,7 @@ class Plan:
     strategy: str = ""
     model_name: str = ""
     model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    constraints: Constraints | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_text("model fingerprint", self.model_fingerprint)
@@ -143,13 +152,15 @@ class Plan:
             raise QSyncError(f"strategy must be text of at most {MAX_TEXT_CHARS} characters, "
                              f"got {show(self.strategy)}")
         _check_model(self.model_name, self.model_kwargs)
+        if self.constraints is not None and not isinstance(self.constraints, Constraints):
+            raise QSyncError(f"constraints must be Constraints, got {show(self.constraints)}")
 
     @classmethod
     def build(cls, graph: "OpGraph", cluster: Cluster, precisions: Mapping[str, KindPlan], *,
               strategy: str = "", optimizer: str = "sgd_momentum",
               compression: "CompressionSettings | str | Mapping | None" = None,
-              model_name: str = "",
-              model_kwargs: Mapping[str, Any] | None = None) -> "Plan":
+              model_name: str = "", model_kwargs: Mapping[str, Any] | None = None,
+              constraints: Constraints | None = None) -> "Plan":
         """A plan for ``graph`` on ``cluster`` (its batch sizes), checked against both.
 
         ``precisions`` may name device kinds by any catalog alias and give each op a
@@ -157,7 +168,8 @@ class Plan:
         cluster kind gets an entry (empty: all fp32). ``compression``: a spec for every
         parameter (``"global_qsgd:8"``) or a mapping pattern -> spec
         (:class:`~qsync_lab.compress.CompressionSettings`). ``model_name``/``model_kwargs``
-        name the zoo model so that ``qsync-lab run`` can build it.
+        name the zoo model so that ``qsync-lab run`` can build it. ``constraints``: what the
+        plan was made under (recorded with the catalog's names of the device kinds).
         """
         names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
         plan = cls(
@@ -170,7 +182,8 @@ class Plan:
             optimizer=optimizer,
             compression=_frozen_data(CompressionSettings.parse(compression).to_dict()),
             strategy=strategy, model_name=model_name,
-            model_kwargs=_frozen_data(model_kwargs or {}))
+            model_kwargs=_frozen_data(model_kwargs or {}),
+            constraints=None if constraints is None else constraints.for_cluster(cluster))
         plan.validate(graph, cluster)
         return plan
 
@@ -201,6 +214,29 @@ class Plan:
     def batch_sizes(self) -> tuple[int, ...]:
         """Per-rank batch sizes, in rank order."""
         return tuple(r.batch_size for r in self.ranks)
+
+    def made_under(self) -> str:
+        """One line: the strategy, its settings and the constraints the plan was made under.
+
+        Example::
+
+            >>> from qsync_lab.cluster import load_cluster
+            >>> cluster = load_cluster("local-hybrid")
+            >>> plan = Plan("abc", cluster.definition, (RankPlan(0, "V100-SXM2-32GB", 16),
+            ...             RankPlan(1, "T4", 16)), {}, strategy="qsync",
+            ...             constraints=Constraints({"T4": 1}))
+            >>> plan.made_under()  # doctest: +ELLIPSIS
+            'qsync (optimizer sgd_momentum, compression none) under memory V100-SXM2-32GB ... (device memory), T4 1 GiB; throughput: ...'
+            >>> dataclasses.replace(plan, constraints=None).made_under()  # doctest: +ELLIPSIS
+            'qsync (...) under constraints not recorded (a plan file from before ...'
+        """
+        compression = self.compression_settings
+        strategy = (f"{self.strategy or 'a manual plan'} (optimizer {self.optimizer}, "
+                    f"compression {compression})")
+        if self.constraints is None:
+            return (f"{strategy} under constraints not recorded (a plan file from before "
+                    "plans recorded them; re-plan to record them)")
+        return f"{strategy} under {self.constraints.describe(self.cluster)}"
 
     def low_precision_ops(self) -> dict[str, int]:
         """Per device kind, how many ops the plan runs in a precision other than fp32."""
@@ -233,6 +269,8 @@ class Plan:
         """
         cluster = cluster if cluster is not None else self.cluster
         self._check_cluster(cluster)
+        if self.constraints is not None:
+            self.constraints.for_cluster(cluster)  # its budgets are for this cluster's kinds
         for kind, ops in self.precisions.items():
             device = cluster.catalog.device(kind)
             for fqn, cfg in ops.items():
@@ -273,6 +311,7 @@ class Plan:
             "optimizer": self.optimizer,
             "compression": _thawed(self.compression),
             "strategy": self.strategy,
+            "constraints": None if self.constraints is None else self.constraints.to_dict(),
         }}
 
     def to_json(self) -> str:
@@ -308,7 +347,7 @@ class Plan:
         missing = [k for k in _DATA_KEYS if k not in data.data]
         if missing:
             raise QSyncError(f"{origin} lacks _data.{missing[0]}; write it with Plan.save")
-        data.check_keys(_DATA_KEYS)
+        data.check_keys(_DATA_KEYS + _OPTIONAL_DATA_KEYS)
         model, cluster = data.table("model"), data.table("cluster")
         model.check_keys(_MODEL_KEYS)
         cluster.check_keys(_CLUSTER_KEYS)
@@ -319,7 +358,8 @@ class Plan:
             optimizer=data.value("optimizer", "text", _is_str),
             strategy=data.value("strategy", "text", _is_str),
             model_name=model.value("name", "text", _is_str, ""),
-            model_kwargs=_frozen_data(model.table("kwargs", {}).data))
+            model_kwargs=_frozen_data(model.table("kwargs", {}).data),
+            constraints=_read_constraints(data))
         cluster.value("name", "text", _is_str, "")  # the definition's name is the one used
         sha256 = cluster.value("sha256", "a sha256 hex digest", is_text, None)
         try:
@@ -387,6 +427,12 @@ def _read_ranks(data: TomlTable) -> tuple[RankPlan, ...]:
         except QSyncError as err:
             raise table.error(str(err)) from None
     return tuple(ranks)
+
+
+def _read_constraints(data: TomlTable) -> Constraints | None:
+    """``_data.constraints``: None when absent or null (an older plan), else checked."""
+    found = data.data.get("constraints")
+    return None if found is None else Constraints.from_dict(found, data.where("constraints"))
 
 
 def _read_precisions(kinds: TomlTable) -> Mapping[str, Mapping[str, OpPrecision]]:

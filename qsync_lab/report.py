@@ -1,8 +1,10 @@
 """A plan's report (``qsync-lab report``): one self-contained HTML file.
 
-The report holds the plan's summary (model, cluster, low-precision ops per device kind,
-the predicted step time and throughput, each class of ranks' predicted time and memory),
-the strategies compared on the same model and cluster, and the figures of
+The report holds the plan's summary (model, cluster, what it was made under: strategy,
+memory budgets and throughput target; low-precision ops per device kind, the predicted
+step time and throughput, each class of ranks' predicted time and memory), the strategies
+compared on the same model and cluster under the plan's own constraints (the defaults for
+a plan that does not record them), and the figures of
 :mod:`qsync_lab.viz` (timeline, memory, precision map, strategies, indicator). plotly.js
 is inlined once, so the file opens without a network.
 
@@ -35,7 +37,8 @@ from qsync_lab.precision import Precision
 if TYPE_CHECKING:
     from qsync_lab.study import Study
 
-__all__ = ["build_report", "plan_study", "precision_counts", "rank_classes", "write_report"]
+__all__ = ["build_report", "compare_as_planned", "plan_study", "precision_counts",
+           "rank_classes", "write_report"]
 
 #: the indicator figure draws this many of the most sensitive ops
 INDICATOR_TOP_OPS = 30
@@ -87,7 +90,9 @@ def build_report(plan: Plan, *, study: "Study | None" = None,
                                 calibration_batches=calibration_batches)
     plan.validate(study.graph, study.cluster)
     sim = study.simulate(plan)
-    comparison = study.compare() if comparison is None else comparison
+    comparison = compare_as_planned(plan, study) if comparison is None else comparison
+    under = ("the plan's constraints" if plan.constraints is not None else
+             "default constraints: the plan does not record its own")
     title = f"{study.name} on {study.cluster.name}: {plan.strategy or 'plan'}"
     body = [f"<h1>{html.escape(title)}</h1>",
             _table("Plan", _overview(plan, sim), header=False),
@@ -95,9 +100,27 @@ def build_report(plan: Plan, *, study: "Study | None" = None,
                    precision_counts(plan)),
             _table("Predicted per class of ranks (the slowest and largest rank of each)",
                    rank_classes(sim)),
-            _table("Strategies compared (default constraints)", comparison),
+            _table(f"Strategies compared ({under})", comparison),
             "<h2>Figures</h2>", *_figures(plan, study, sim, comparison)]
     return _page(title, "\n".join(body))
+
+
+def compare_as_planned(plan: Plan, study: "Study") -> pd.DataFrame:
+    """Every strategy re-planned under the constraints ``plan`` was made under (its memory
+    budgets, throughput target and, as a ``qsync+<spec>`` row, its compression; the
+    defaults for a plan that records none): ``study.compare``'s table.
+
+    Example: ``compare_as_planned(plan, plan_study(plan)).loc["qsync"]``.
+    """
+    constraints = plan.constraints
+    rules = plan.compression_settings.rules
+    compressions = ([str(rules[0][1])] if len(rules) == 1 and rules[0][0] == "_default"
+                    and rules[0][1] is not None else [])
+    if constraints is None:
+        return study.compare(compressions=compressions)
+    return study.compare(memory_limit=dict(constraints.memory_gib),
+                         throughput_target=constraints.throughput_samples_per_s,
+                         compressions=compressions)
 
 
 def plan_study(plan: Plan, *, profiles: Sequence["str | os.PathLike[str]"] = (),
@@ -188,6 +211,9 @@ def _overview(plan: Plan, sim) -> pd.DataFrame:
         "cluster": f"{plan.cluster_name}: {plan.world_size} ranks, "
                    + ", ".join(f"{n} x {kind}" for kind, n in kinds.items()),
         "strategy": plan.strategy or "-",
+        "made under": (plan.constraints.describe(plan.cluster) if plan.constraints is not None
+                       else "constraints not recorded (a plan file from before plans recorded "
+                       "them): the comparison below uses the defaults"),
         "optimizer": plan.optimizer,
         "gradient compression": str(plan.compression_settings) or "none",
         "predicted step time (ms)": _number(sim.iteration_us / 1e3),
@@ -203,7 +229,8 @@ def _figures(plan: Plan, study: "Study", sim, comparison: pd.DataFrame) -> list[
     from qsync_lab.viz import (plot_comparison, plot_indicator, plot_memory,
                                plot_precision_map, plot_timeline)
 
-    figures = [plot_timeline(sim), plot_memory(sim, plan.cluster),
+    budgets = plan.constraints.memory_gib if plan.constraints is not None else None
+    figures = [plot_timeline(sim), plot_memory(sim, plan.cluster, memory_gib=budgets),
                plot_precision_map(plan, study.graph), plot_comparison(comparison)]
     precision = _indicator_precision(plan, study)
     if precision is not None:

@@ -111,7 +111,7 @@ def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
     assert out.count("\n") == 1 and "torch.distributed" not in out
     assert f"step time measured {summary['measured_step_ms']:.2f} ms" in out
     log = (tmp_path / "run" / "launch.log").read_text()
-    assert "OMP_NUM_THREADS" in log and "test accuracy" in log
+    assert "OMP_NUM_THREADS" in log and "test loss" in log  # synthetic: no accuracy shown
     # fewer steps than the default warm-up: at least one step is timed, and the summary says so
     assert (summary["warmup_steps"], summary["timed_steps"]) == (2, 1)
     # resumed once complete (its summary lost): the ranks' note on the terminal, nothing else
@@ -121,6 +121,28 @@ def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
     notes = [line for line in err.splitlines() if "qsync_lab" in line]  # after the bar
     assert len(notes) == 1 and notes[0].startswith(
         "qsync_lab: run already complete at step 3; nothing to do (its summary.json is missing")
+
+
+def test_run_emulates_a_gpu_plan_on_the_cpu_and_says_so(tmp_path, capsys):
+    """--emulate: a V100 + T4 plan trains on this CPU, predicted for this CPU emulating
+    them; the synthetic task's accuracy is not printed as a result (its labels are
+    random), and the summary line says what the plan was made under."""
+    from tests.runtime.conftest import cluster_file, write_plan
+
+    cluster = cluster_file(tmp_path, ['{ kind = "V100-SXM2-32GB", count = 1 }',
+                                      '{ kind = "T4", count = 1 }'], name="v100-t4")
+    plan = write_plan(tmp_path / "plan.json", cluster, {}, model="digits_mlp", task="synthetic")
+    code, out, _ = run(capsys, "run", "--plan", str(plan), "--steps", "4", "--data",
+                       "synthetic", "--run-dir", str(tmp_path / "run"), "--threads", "1",
+                       "--checkpoint-every", "0", "--emulate")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert code == 0 and summary["emulating"] == ["V100-SXM2-32GB", "T4"]
+    assert (f"predicted for this CPU emulating V100-SXM2-32GB/T4 "
+            f"{summary['predicted_step_ms']:.2f} ms") in out
+    assert "(no accuracy: the synthetic task has random labels, it times runs)" in out
+    assert "test accuracy" not in out
+    assert f"; plan: {summary['plan_made_under']}; wrote" in out
+    assert "constraints not recorded" in summary["plan_made_under"]  # write_plan records none
 
 
 def test_run_without_a_readable_plan_is_one_line(capsys):
@@ -224,6 +246,19 @@ def test_plan_writes_a_plan_that_loads_back(capsys, tmp_path):
     plan = Plan.load(out)
     assert (plan.cluster_name, plan.model_name) == ("v100-t4-small", "digits_mlp")
     assert len(plan.ranks) == 4
+
+
+def test_plan_records_the_constraints_it_was_made_under(capsys, tmp_path):
+    from qsync_lab.plan import Plan
+
+    out = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "--model", "digits_mlp", "--cluster", "v100-t4-small",
+                     "--calibration-batches", "1", "--memory-gb", "t4=4", "--throughput", "5",
+                     "--strategy", "uniform-low", "--out", str(out))
+    plan = Plan.load(out)
+    assert code == 0 and plan.strategy == "uniform-low"
+    assert (dict(plan.constraints.memory_gib), plan.constraints.throughput_samples_per_s) == (
+        {"T4": 4.0}, 5.0)
 
 
 def test_plan_and_simulate_with_compression(capsys, tmp_path):

@@ -190,3 +190,67 @@ def test_apply_to_sets_the_planned_batch_sizes(graph, cluster):
 
     plan = Plan.build(graph, with_batch_sizes(cluster, (40, 40, 24, 24)), {})
     assert [r.batch_size for r in plan.apply_to(cluster).ranks] == [40, 40, 24, 24]
+
+
+def _constrained(graph, cluster, **constraints):
+    from qsync_lab.constraints import Constraints
+
+    return Plan.build(graph, cluster, {"T4": {"0": "fp16"}}, strategy="qsync",
+                      constraints=Constraints(**constraints))
+
+
+def test_the_constraints_a_plan_was_made_under_round_trip(graph, cluster, tmp_path):
+    """Recorded with the catalog's kind names, written as ``_data.constraints``, read back
+    equal; the one line that shows them names the budget given and the device's memory."""
+    plan = _constrained(graph, cluster, memory_gib={"t4": 1}, throughput_samples_per_s=500.0)
+    plan.save(tmp_path / "plan.json")
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert document["_data"]["constraints"] == {"memory_gib": {"T4": 1.0},
+                                                "throughput_samples_per_s": 500.0}
+    loaded = Plan.load(tmp_path / "plan.json", graph=graph)
+    assert loaded == plan and loaded.constraints == plan.constraints
+    assert dict(loaded.constraints.memory_gib) == {"T4": 1.0}
+    assert loaded.made_under() == (
+        "qsync (optimizer sgd_momentum, compression none) under memory V100-SXM2-32GB 32 GiB "
+        "(device memory), T4 1 GiB; throughput: at least 500 samples/s")
+
+
+@pytest.mark.parametrize("edit", [lambda d: d["_data"].pop("constraints"),
+                                  lambda d: d["_data"].update({"constraints": None})])
+def test_a_plan_without_constraints_still_loads_and_says_so(graph, cluster, tmp_path, edit):
+    """A file written before plans recorded their constraints has no such key."""
+    path = _edited(_constrained(graph, cluster, memory_gib={"T4": 1}), tmp_path, edit)
+    loaded = Plan.load(path, graph=graph)
+    assert loaded.constraints is None
+    assert "constraints not recorded" in loaded.made_under()
+    assert json.loads(loaded.to_json())["_data"]["constraints"] is None
+
+
+@pytest.mark.parametrize("constraints, match", [
+    ({"memory_gib": {"T4": -1}}, "memory budget for T4 must be a positive number of GiB"),
+    ({"memory_gib": {"A100-SXM4-40GB": 8}}, "memory budget for A100-SXM4-40GB, which cluster"),
+    ({"memory_gib": {"T4": True}}, "memory budget for T4 must be a positive number"),
+    ({"throughput_samples_per_s": "fast"}, "throughput constraint must be a positive number"),
+    ({"memory_gib": {}, "pace": 1}, "unknown key 'pace'"),
+    ([1], "_data.constraints must be a table"),
+])
+def test_malformed_constraints_are_one_line(graph, cluster, tmp_path, constraints, match):
+    path = _edited(_constrained(graph, cluster), tmp_path,
+                   lambda d: d["_data"].update({"constraints": constraints}))
+    _one_line_error(path, match)
+
+
+@pytest.fixture(scope="module")
+def digits_study():
+    from qsync_lab.study import Study
+
+    return Study("digits_mlp", cluster="local-hybrid", progress=False)
+
+
+@pytest.mark.parametrize("strategy", ["qsync", "uniform-low", "dynamic-batching", "joint",
+                                      "fp32"])
+def test_every_strategy_records_the_constraints_it_planned_under(digits_study, strategy):
+    plan = digits_study.plan(memory_limit={"T4": 2}, throughput_target=1.0, strategy=strategy)
+    assert plan.strategy == strategy
+    assert dict(plan.constraints.memory_gib) == {"T4": 2.0}
+    assert plan.constraints.throughput_samples_per_s == 1.0

@@ -101,3 +101,32 @@ def test_a_study_of_another_model_is_refused(planned, tmp_path):
     with pytest.raises(QSyncError, match="another model"):
         write_report(plan, tmp_path / "report.html", study=other)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_plan_made_under_a_budget_is_reported_and_compared_under_it(tmp_path, capsys):
+    """A plan made at a tight T4 budget: the report shows that budget (summary and memory
+    figure), and its strategies re-plan under it, so its qsync row is the plan's own."""
+    import json
+
+    from qsync_lab.report import compare_as_planned
+
+    study = Study("resnet18", cluster="local-hybrid", calibration_batches=1, progress=False)
+    default = study.plan()
+    budget = round(0.9 * study.simulate(default).tensor_peak_bytes.max() / 2**30, 3)
+    plan = study.plan(memory_limit={"T4": budget})
+    assert plan.low_precision_ops()["T4"] != default.low_precision_ops()["T4"]  # it matters
+    table = compare_as_planned(plan, study)
+    assert table.loc["qsync", "low_precision_ops[T4]"] == plan.low_precision_ops()["T4"]
+    plan.save(tmp_path / "plan.json")
+    page = write_report(tmp_path / "plan.json", tmp_path / "report.html", study=study,
+                        comparison=table).read_text(encoding="utf-8")
+    assert f"T4 {budget:g} GiB; throughput: the fastest kind at fp32 sets the pace" in page
+    assert "Strategies compared (the plan&#x27;s constraints)" in page
+    limits = re.findall(r'"name":"limit"[^}]*?"y":\[([^\]]*)\]', page)
+    assert [float(y) for y in limits[0].split(",")] == [32.0, budget]
+    old = json.loads((tmp_path / "plan.json").read_text())
+    old["_data"].pop("constraints")  # a plan file from before plans recorded them
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    page = write_report(tmp_path / "old.json", tmp_path / "old.html", study=study,
+                        comparison=table).read_text(encoding="utf-8")
+    assert "constraints not recorded" in page and "(default constraints: the plan" in page

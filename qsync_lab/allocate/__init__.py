@@ -18,7 +18,7 @@ from qsync_lab.allocate.baselines import (dynamic_batching, joint_batch_precisio
 from qsync_lab.allocate.chain import ChainCosts, chain_costs
 from qsync_lab.allocate.choices import OpChoices, op_choices
 from qsync_lab.allocate.compare import STRATEGIES, compare_strategies, plan_summary
-from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.constraints import Constraints
 from qsync_lab.allocate.exact import (AdditiveInstance, OptimalityGap, exact_plan,
                                       linearized_instance, optimality_gap)
 from qsync_lab.allocate.fastest import chain_viterbi, fastest_feasible_plan

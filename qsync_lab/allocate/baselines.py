@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from qsync_lab.allocate.choices import op_choices
-from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.constraints import Constraints
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.simulate import PlanEvaluator
 from qsync_lab.allocate.qsync import (allocate_detailed, kinds_to_allocate, prepared_graph,
@@ -65,7 +65,7 @@ def uniform_low_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
         precisions[kind] = {prepared.work.names[op]: min(ladder, key=lambda p: p.bits)
                             for op, ladder in zip(choices.ops, choices.ladders)}
     return Plan.build(prepared.graph, cluster, precisions, strategy="uniform-low",
-                      optimizer=optimizer, compression=compression)
+                      optimizer=optimizer, compression=compression, constraints=constraints)
 
 
 def dynamic_batching(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
@@ -76,7 +76,8 @@ def dynamic_batching(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: 
     batches = balanced_batch_sizes(prepared, cluster, costs, optimizer=optimizer,
                                    compression=compression)
     return Plan.build(prepared.graph, with_batch_sizes(cluster, batches), {},
-                      strategy="dynamic-batching", optimizer=optimizer)
+                      strategy="dynamic-batching", optimizer=optimizer, compression=compression,
+                      constraints=constraints or Constraints())
 
 
 def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, costs: CostModel,
@@ -120,7 +121,7 @@ def joint_batch_precision(graph: "OpGraph | PreparedGraph", cluster: Cluster, co
             best, best_key = result.plan, key
     if best is None:
         raise QSyncError(f"no batch split meets the constraints ({errors[0]})")
-    return best
+    return dataclasses.replace(best, constraints=constraints.for_cluster(cluster))
 
 
 def balanced_batch_sizes(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, *,

@@ -25,7 +25,7 @@ import pandas as pd
 
 from qsync_lab.allocate.baselines import (dynamic_batching, joint_batch_precision,
                                           uniform_low_precision)
-from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.constraints import Constraints
 from qsync_lab.allocate.qsync import allocate, prepared_graph, target_iteration_us
 from qsync_lab.cluster import Cluster
 from qsync_lab.compress.spec import CompressionSpec
@@ -45,7 +45,8 @@ Strategy = Callable[..., Plan]
 def _all_fp32(graph, cluster, costs, indicator, constraints=None, *,
               optimizer=DEFAULT_OPTIMIZER, compression=None) -> Plan:
     return Plan.build(prepared_graph(graph).graph, cluster, {}, strategy="fp32",
-                      optimizer=optimizer, compression=compression)
+                      optimizer=optimizer, compression=compression,
+                      constraints=constraints or Constraints())
 
 
 #: name -> allocator with :func:`~qsync_lab.allocate.allocate`'s interface

@@ -52,7 +52,7 @@ import pandas as pd
 
 from qsync_lab.allocate.chain import ChainCosts, chain_costs
 from qsync_lab.allocate.choices import OpChoices, op_choices
-from qsync_lab.allocate.constraints import Constraints
+from qsync_lab.constraints import Constraints
 from qsync_lab.allocate.fastest import fastest_feasible_plan
 from qsync_lab.allocate.frontier import RiskFrontier, risk_frontiers
 from qsync_lab.allocate.recover import TIME_RTOL, RecoveryStats, recover_plans
@@ -239,7 +239,8 @@ class Allocator:
         precisions = {kind: {names[op]: p for op, p in zip(choices[kind].ops, plans[kind])}
                       for kind in choices}
         plan = Plan.build(prepared.graph, cluster, precisions, strategy=strategy,
-                          optimizer=self.optimizer, compression=self.compression)
+                          optimizer=self.optimizer, compression=self.compression,
+                          constraints=constraints)
         risk = {kind: choices[kind].risk(dict(zip(choices[kind].ops, plans[kind])))
                 for kind in choices}
         return Allocation(plan, evaluator.iteration_us, target_us, seconds, stats, risk)

@@ -1,8 +1,10 @@
 """Start a plan's training run: checks first, then torchrun, quietly, with a progress bar.
 
 :func:`check_run` refuses a bad run before any process starts (a run directory another
-run holds or with a symlinked output, the plan's schema and cluster, the model and its
-fingerprint, the options, the profiles, the rank count), each in one line.
+run holds or with a symlinked output, the plan's schema and cluster, the rank count, what
+this machine cannot run: more ranks than its cores carry, GPU ranks without CUDA that are
+not emulated, a training set smaller than one global batch (:mod:`~qsync_lab.runtime.machine`),
+the model and its fingerprint, the options, the profiles), each in one line saying what to do.
 :func:`start` then locks the run directory (one run per directory,
 :mod:`~qsync_lab.runtime.lock`) and starts ``python -m torch.distributed.run … -m
 qsync_lab.runtime …`` (:func:`torchrun_command`) in a session of its own, the launcher's
@@ -25,6 +27,7 @@ Example::
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,8 +41,10 @@ from qsync_lab.io import open_log
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check_run_dir_free,
                                     forget_ended_holder)
+from qsync_lab.runtime.machine import check_cores, check_data, check_devices
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
 from qsync_lab.runtime.outputs import LOG_NAME, METRICS, SUMMARY, check_outputs
+from qsync_lab.runtime.task_sizes import default_task_name
 from qsync_lab.tomlfile import show
 
 if TYPE_CHECKING:
@@ -50,6 +55,9 @@ __all__ = ["check_run", "launch", "rank_error", "start", "stop_run", "torchrun_c
 STOP_GRACE_S = 20.0  # torchrun's own wait for its workers is 30 s
 _POLL_S = 0.2
 _NOTE = "qsync_lab: "  # how the ranks mark a note for the user (trainer's _Run._note)
+_RUNTIME_ERROR = "qsync_lab.runtime: error: "  # how a rank reports a QSyncError (__main__)
+_TRACEBACK = "Traceback (most recent call last):"
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")  # torchrun's --tee/prefix option
 
 
 def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
@@ -77,12 +85,17 @@ def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
 
 
 def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
-              nnodes: int = 1) -> Plan:
+              nnodes: int = 1, oversubscribe: bool = False) -> Plan:
     """The run's plan, after every check that needs no process: the run directory (no
     other run holds it, no output in it is a symlink), the plan file in full
-    (:meth:`Plan.load`), the rank count, the data, the model: built from the zoo and
-    traced here, the plan must be for it (its fingerprint, op FQNs and compressed
-    parameters), and the ``--profile`` files.
+    (:meth:`Plan.load`), the rank count, whether this machine can run them (its cores,
+    unless ``oversubscribe``; CUDA for GPU ranks, unless emulated: ``config.emulate``; the
+    bundled task's size: :mod:`~qsync_lab.runtime.machine`; all before torch is imported),
+    the data, the model: built from the zoo and traced here, the plan must be for it (its
+    fingerprint, op FQNs and compressed parameters), and the ``--profile`` files.
+
+    Example: ``check_run(TrainConfig(plan="paper_plan.json"))`` on a 2-core laptop raises
+    ``QSyncError: the plan starts 32 ranks here and this machine has 2 cores …``.
 
     Raises:
         QSyncError: the first problem, in one line.
@@ -91,20 +104,24 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
         check_run_dir_free(config.run_dir)
         check_outputs(config.run_dir)
     plan = Plan.load(config.plan)
-    ranks = (nproc_per_node or plan.world_size // nnodes) * nnodes
-    if ranks != plan.world_size:
+    local_ranks = nproc_per_node or plan.world_size // nnodes
+    if local_ranks * nnodes != plan.world_size:
         raise QSyncError(f"the plan is for {plan.world_size} ranks, --nnodes {nnodes} x "
-                         f"--nproc-per-node {nproc_per_node} start {ranks}; start "
-                         f"{plan.world_size}")
-    from qsync_lab.models import list_models, model_spec  # torch: after the other checks
-    from qsync_lab.runtime.tasks import TASKS, default_task
-
+                         f"--nproc-per-node {nproc_per_node} start {local_ranks * nnodes}; "
+                         f"start {plan.world_size}")
+    check_cores(local_ranks, oversubscribe=oversubscribe)
+    check_devices(plan.cluster, emulate=config.emulate)
     name = config.model or plan.model_name
+    data = config.data or (default_task_name(name) if name else None)
+    if data is not None:
+        check_data(data, sum(plan.batch_sizes))
+    from qsync_lab.models import list_models, model_spec  # torch: after the other checks
+    from qsync_lab.runtime.tasks import TASKS
+
     if not name:
         raise QSyncError(f"plan {config.plan} names no model; pass --model (a zoo model: "
                          f"{', '.join(list_models())})")
     kwargs = dict(config.model_kwargs if config.model_kwargs is not None else plan.model_kwargs)
-    data = config.data or default_task(name)
     if data not in TASKS:
         raise QSyncError(f"unknown --data {data!r}; choose one of: {', '.join(TASKS)}")
     model_spec(name)  # a zoo model
@@ -138,9 +155,11 @@ def _model_graph(name: str, kwargs: dict[str, Any]) -> "OpGraph":
 
 def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int = 1,
           rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
-          env: dict[str, str] | None = None, log: bool = True) -> subprocess.Popen:
+          env: dict[str, str] | None = None, log: bool = True,
+          oversubscribe: bool = False) -> subprocess.Popen:
     """Check the run (:func:`check_run`), lock its run directory and start torchrun on it
-    in a session of its own (stop it with :func:`stop_run`), its output and the ranks' in
+    in a session of its own (stop it with :func:`stop_run`; ``oversubscribe``: start more
+    ranks than this machine's cores carry), its output and the ranks' in
     ``<run_dir>/launch.log`` (``log=False``: in this process's), with ``env`` added to this
     process's environment.
 
@@ -155,7 +174,8 @@ def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int
         QSyncError: a check failed, or another run holds the run directory (nothing
             started).
     """
-    plan = check_run(config, nproc_per_node=nproc_per_node, nnodes=nnodes)
+    plan = check_run(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                     oversubscribe=oversubscribe)
     command = torchrun_command(config.plan, nproc_per_node or plan.world_size // nnodes,
                                nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                max_restarts=max_restarts,
@@ -205,8 +225,8 @@ def stop_run(process: subprocess.Popen, run_dir: "str | os.PathLike[str] | None"
 
 def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int = 1,
            rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
-           verbose: bool = False, progress: bool = True,
-           env: dict[str, str] | None = None) -> dict[str, Any] | None:
+           verbose: bool = False, progress: bool = True, env: dict[str, str] | None = None,
+           oversubscribe: bool = False) -> dict[str, Any] | None:
     """Start the run (:func:`start`), wait for it, show the ranks' notes on stderr and
     return the summary this run wrote (None when it wrote none: the run was already
     complete, as a note said, or rank 0 runs on another node); an interrupt (Ctrl-C) stops
@@ -221,7 +241,7 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
     before = _stamp(summary)
     job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
                 rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
-                env=env, log=not verbose)
+                env=env, log=not verbose, oversubscribe=oversubscribe)
     log = None if verbose else run_dir / LOG_NAME
     try:
         returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
@@ -286,8 +306,10 @@ def _count_lines(path: Path) -> int:
 
 
 def rank_error(log: Path | None) -> str:
-    """The ranks' one-line error from ``log`` (the runtime prints ``… error: …``; None:
-    the output went to the terminal).
+    """The ranks' one-line error from ``log`` (None: the output went to the terminal): the
+    runtime's own (``qsync_lab.runtime: error: …``), else the last line of the first
+    exception a rank raised (torchrun's ``ChildFailedError`` that follows it is left out),
+    else the log's last line; never empty.
 
     Example::
 
@@ -296,15 +318,50 @@ def rank_error(log: Path | None) -> str:
         >>> _ = log.write_text("W0101 warning\\nqsync_lab.runtime: error: no such file\\n")
         >>> rank_error(log), rank_error(None)
         ('no such file', "see the ranks' output above")
+        >>> _ = log.write_text("[rank1]: Traceback (most recent call last):\\n"
+        ...                    '[rank1]:   File "x.py", line 1, in <module>\\n'
+        ...                    "[rank1]: ValueError: bad batch\\nTraceback (most recent call "
+        ...                    "last):\\n  File \\"run.py\\"\\n"
+        ...                    "torch.distributed.elastic.multiprocessing.errors."
+        ...                    "ChildFailedError: \\n"
+        ...                    "=====\\n")
+        >>> rank_error(log)
+        'ValueError: bad batch'
     """
     if log is None:
         return "see the ranks' output above"
-    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    for marker in ("qsync_lab.runtime: error: ", "Error: ", "error: "):
-        found = [line.split(marker, 1)[1] for line in lines if marker in line]
-        if found:
-            return found[-1].strip()
-    return lines[-1].strip() if lines else "no output"
+    text = log.read_text(encoding="utf-8", errors="replace")
+    lines = [_RANK_PREFIX.sub("", line).rstrip() for line in text.splitlines()]
+    own = [line.split(_RUNTIME_ERROR, 1)[1].strip() for line in lines if _RUNTIME_ERROR in line]
+    own = [error for error in own if error]
+    if own:
+        return own[-1]
+    raised = _raised(lines)
+    if raised:  # the first: a later rank's is often its peer's loss ("Connection closed")
+        return raised[0]
+    shown = [line.strip() for line in lines if line.strip(" =-")]
+    return shown[-1] if shown else "no output"
+
+
+def _raised(lines: list[str]) -> list[str]:
+    """The last line of each Python traceback in ``lines`` (the exception raised), in order,
+    but torchrun's ``ChildFailedError``, whose details follow on lines of their own.
+
+    Example::
+
+        >>> _raised(["Traceback (most recent call last):", '  File "a.py", line 1',
+        ...          "KeyError: 'x'", "MemoryError"])
+        ["KeyError: 'x'"]
+    """
+    raised, inside = [], False
+    for line in lines:
+        if line.startswith(_TRACEBACK):
+            inside = True
+        elif inside and line and not line.startswith(" "):  # frames are indented
+            inside = False
+            if not line.partition(":")[0].endswith("ChildFailedError"):
+                raised.append(line.strip())
+    return raised
 
 
 def _rank_pids(run_dir: "str | os.PathLike[str] | None") -> list[int]:

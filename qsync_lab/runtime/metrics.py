@@ -25,7 +25,7 @@ from typing import Any
 
 from qsync_lab.io import atomic_write_text
 
-__all__ = ["MetricsLog", "read_metrics", "strict_json", "summary_line"]
+__all__ = ["MetricsLog", "read_metrics", "strict_json", "summary_line", "result_text"]
 
 
 class MetricsLog:
@@ -75,7 +75,8 @@ def strict_json(document: Any, **dumps_options: Any) -> str:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    """A run's ``summary.json`` in one line: the result, measured against predicted.
+    """A run's ``summary.json`` in one line: the result, measured against predicted (for
+    this CPU when it emulated the plan's kinds), and what the plan was made under.
 
     Example::
 
@@ -86,19 +87,47 @@ def summary_line(summary: dict[str, Any]) -> str:
         'digits_cnn on local-cpu: 5 steps, test loss 0.2500; step time measured 4.00 ms, predicted 3.80 ms (-5.0 %); tensor peak measured 2.0 MiB, predicted 2.1 MiB'
 
     Skipped steps (``--on-nonfinite skip``) are counted: ``…: 5 steps (3 non-finite steps
-    skipped), test loss …``.
+    skipped), test loss …``; an emulated run says ``predicted for this CPU emulating
+    V100-SXM2-32GB/T4 …``; ``plan_made_under`` is appended as ``; plan: …``.
     """
-    accuracy, loss = summary.get("test_accuracy"), summary.get("test_loss")
-    result = (f"test accuracy {accuracy:.4f}" if accuracy is not None
-              else f"test loss {loss:.4f}" if loss is not None else "no test figure")
     skipped = summary.get("nonfinite_steps_skipped") or 0
     steps = f"{summary['steps']} steps" + (
         f" ({skipped} non-finite step{'s' if skipped > 1 else ''} skipped)" if skipped else "")
-    return (f"{summary['model']} on {summary['cluster']}: {steps}, {result}; "
-            f"step time measured {summary['measured_step_ms']:.2f} ms, predicted "
+    emulating = summary.get("emulating")
+    where = f" for this CPU emulating {'/'.join(emulating)}" if emulating else ""
+    line = (f"{summary['model']} on {summary['cluster']}: {steps}, {result_text(summary)}; "
+            f"step time measured {summary['measured_step_ms']:.2f} ms, predicted{where} "
             f"{summary['predicted_step_ms']:.2f} ms ({summary['step_error_pct']:+.1f} %); "
             f"tensor peak measured {summary['measured_tensor_peak_mib']:.1f} MiB, predicted "
             f"{summary['predicted_tensor_peak_mib']:.1f} MiB")
+    made_under = summary.get("plan_made_under")
+    return f"{line}; plan: {made_under}" if made_under else line
+
+
+def result_text(summary: dict[str, Any]) -> str:
+    """The test figure of a summary, with what it means: accuracy beside chance (the most
+    frequent test label's share), none on the synthetic task (its labels are random).
+
+    Example::
+
+        >>> result_text({"task": "digits", "steps": 20, "test_accuracy": 0.08,
+        ...              "chance_accuracy": 0.1, "test_loss": 2.3})
+        'test accuracy 0.0800, not above chance (0.1000): not learned in 20 steps'
+        >>> result_text({"task": "synthetic", "test_accuracy": 0.0, "test_loss": 2.4})
+        'test loss 2.4000 (no accuracy: the synthetic task has random labels, it times runs)'
+    """
+    accuracy, loss = summary.get("test_accuracy"), summary.get("test_loss")
+    chance = summary.get("chance_accuracy")
+    if summary.get("task") == "synthetic":
+        shown = f"test loss {loss:.4f} " if loss is not None else ""
+        return f"{shown}(no accuracy: the synthetic task has random labels, it times runs)"
+    if accuracy is not None and chance is not None:
+        if accuracy <= chance:
+            return (f"test accuracy {accuracy:.4f}, not above chance ({chance:.4f}): not "
+                    f"learned in {summary['steps']} steps")
+        return f"test accuracy {accuracy:.4f} (chance {chance:.4f})"
+    return (f"test accuracy {accuracy:.4f}" if accuracy is not None
+            else f"test loss {loss:.4f}" if loss is not None else "no test figure")
 
 
 def _finite_or_null(value: Any) -> Any:

@@ -65,6 +65,9 @@ class TrainConfig:
             first fifth, at least 3; a ms-scale model's gloo and allocator warm up over
             tens of steps).
         profiles: measured profile CSVs for the prediction (default: the shipped CPU one).
+        emulate: run every rank on the CPU, emulating its device kind (GPU kinds too, which
+            ``qsync-lab run`` otherwise refuses without CUDA), predicted with this machine's
+            costs.
     """
 
     plan: str
@@ -85,6 +88,7 @@ class TrainConfig:
     deterministic: bool = False
     warmup_steps: int | None = None
     profiles: tuple[str, ...] = field(default_factory=tuple)
+    emulate: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_STATES:
@@ -166,6 +170,9 @@ def runtime_parser(*, add_help: bool = True) -> argparse.ArgumentParser:
                         "fifth, at least 3)")
     parser.add_argument("--profile", action="append", default=[], metavar="CSV",
                         help="measured profile(s) for the prediction (default: shipped cpu.csv)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="run every rank on the CPU emulating its device kind (a V100 + "
+                        "T4 plan on a laptop), predicted with this machine's costs")
     parser.add_argument("--threads", type=int,
                         help="intra-op threads per rank (default: cores / local ranks)")
     return parser
@@ -184,7 +191,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         allow_change=tuple(name.strip().replace("-", "_")
                            for name in args.allow_change.split(",") if name.strip()),
         on_nonfinite=args.on_nonfinite, deterministic=args.deterministic,
-        warmup_steps=args.warmup_steps, profiles=tuple(args.profile))
+        warmup_steps=args.warmup_steps, profiles=tuple(args.profile), emulate=args.emulate)
 
 
 def runtime_argv(config: TrainConfig, *, threads: int | None = None) -> list[str]:

@@ -6,6 +6,10 @@ numerics at the host's speed, so its prediction must use the host's measured cos
 :func:`emulation_view` gives each emulated kind the host's hardware numbers (keeping its
 own precisions, so the plan still validates) and costs it as the host.
 
+A run whose ranks all compute on this machine's CPU (no CUDA, or ``--emulate``) emulates
+every GPU kind, whatever its cluster says: ``predict_plan(..., on_cpu=True)`` costs them as
+the host (:func:`~qsync_lab.runtime.machine.emulated_on_cpu`).
+
 Example::
 
     >>> from qsync_lab.cluster import load_cluster
@@ -25,6 +29,7 @@ from qsync_lab.cluster import Cluster
 from qsync_lab.costs import CostModel
 from qsync_lab.graph import OpGraph
 from qsync_lab.plan import Plan
+from qsync_lab.runtime.machine import emulated_on_cpu
 from qsync_lab.simulate import SimResult, simulate
 
 __all__ = ["emulation_view", "predict_plan", "run_profiles"]
@@ -63,8 +68,10 @@ def emulation_view(cluster: Cluster, costs: CostModel) -> tuple[Cluster, CostMod
 
 
 def predict_plan(plan: Plan, graph: OpGraph, costs: CostModel, *,
-                 optimizer: str | None = None) -> SimResult:
+                 optimizer: str | None = None, on_cpu: bool = False) -> SimResult:
     """The simulated iteration of ``plan`` on its cluster, emulated kinds costed as their
-    host (``optimizer``: the run's, default the plan's)."""
-    cluster, costs = emulation_view(plan.cluster, costs)
+    host (``optimizer``: the run's, default the plan's; ``on_cpu``: every rank runs on this
+    machine's CPU, so every GPU kind is emulated)."""
+    cluster = emulated_on_cpu(plan.cluster) if on_cpu else plan.cluster
+    cluster, costs = emulation_view(cluster, costs)
     return simulate(graph, plan, cluster, costs, optimizer=optimizer)

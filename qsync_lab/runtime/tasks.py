@@ -30,14 +30,11 @@ from torch import nn
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.runtime.task_sizes import (SYNTHETIC_SAMPLES, TOKEN_SAMPLES, ZIPF_TOKEN_SAMPLES,
+                                          default_task_name)
 
 __all__ = ["TASKS", "Task", "call_model", "default_task", "load_task", "map_inputs"]
 
-#: model -> its bundled task; every other zoo model trains on ``synthetic``
-DEFAULT_TASKS = {"digits_cnn": "digits", "digits_mlp": "mnist1d", "bert_mini": "tokens",
-                 "bert_base": "tokens"}
-SYNTHETIC_SAMPLES = (512, 128)
-TOKEN_SAMPLES = (4096, 1024)
 MNIST1D_LENGTH = 40
 
 
@@ -124,7 +121,7 @@ def default_task(model: str) -> str:
         >>> default_task("digits_mlp"), default_task("resnet18")
         ('mnist1d', 'synthetic')
     """
-    return DEFAULT_TASKS.get(model_spec(model).name, "synthetic")
+    return default_task_name(model_spec(model).name)
 
 
 def load_task(name: str, model: str | None = None, *, seed: int = 0, **model_kwargs: Any) -> Task:
@@ -218,9 +215,6 @@ def _synthetic(model: str, seed: int, kwargs: dict) -> Task:
     train, test = (example_batch(model, n, seed=seed + i, **kwargs)
                    for i, n in enumerate(SYNTHETIC_SAMPLES))
     return _task("synthetic", model, kwargs, train, test)
-
-
-ZIPF_TOKEN_SAMPLES = (4096, 1024)
 
 
 def _zipf_tokens(model: str, seed: int, kwargs: dict) -> Task:

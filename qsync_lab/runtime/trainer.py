@@ -16,7 +16,9 @@
    a non-finite gradient before the optimizer step and decide alike: with
    ``on_nonfinite="stop"`` every rank raises :class:`~qsync_lab.errors.QSyncError` naming
    the step and the loss (its ranks) or the first parameter found; with ``"skip"`` no rank
-   updates and the step is counted (``nonfinite_steps_skipped`` in the summary);
+   updates and the step is counted (``nonfinite_steps_skipped`` in the summary). On a GPU,
+   a plan with fp16 gradients scales its loss (``torch.amp.GradScaler``, state in the
+   checkpoints): a step whose gradients overflow is skipped and the scale halves;
 5. rank 0 appends one line per step to ``metrics.jsonl`` (every rank's step time and
    process peak RSS so far, the global loss and throughput; strict JSON, a non-finite
    figure is null) and every ``checkpoint_every`` steps writes
@@ -30,12 +32,14 @@
    the checkpoint's, does nothing when the checkpoint is already at ``steps``, and takes
    other ``steps``, ``checkpoint_every``, ... (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`)
    only when ``allow_change`` names them;
-6. at the end rank 0 evaluates test accuracy and writes ``summary.json``: measured median
-   step time (after ``warmup_steps``, clipped so that at least one step is timed; the
-   summary says how many were left out) and peak tensor memory beside the simulator's
-   prediction for the same plan and optimizer (emulated kinds costed from the locally
-   measured profile), and the final weights, ``final.safetensors`` (a checkpoint whose
-   state is ``{"model": state_dict}``).
+6. at the end rank 0 evaluates test accuracy (beside chance: the most frequent test
+   label's share) and writes ``summary.json``: measured median step time (after
+   ``warmup_steps``, clipped so that at least one step is timed; the summary says how many
+   were left out) and peak tensor memory beside the simulator's prediction for the same
+   plan and optimizer (emulated kinds costed from the locally measured profile: on ranks
+   without CUDA, or with ``emulate``, every GPU kind is emulated and the summary's
+   ``emulating`` names them), what the plan was made under, and the final weights,
+   ``final.safetensors`` (a checkpoint whose state is ``{"model": state_dict}``).
 
 Before anything is written every rank refuses a symlinked output in the run folder
 (:func:`~qsync_lab.runtime.outputs.check_outputs`), and before the model is built a bad
@@ -72,13 +76,16 @@ from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.io import atomic_write_text
 from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
 from qsync_lab.plan import Plan
-from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
+from qsync_lab.quant import (apply_resolved_plan_, describe_precisions, restore_rounding_counters,
+                             rounding_counters)
+from qsync_lab.quant.native import fp32_inputs
 from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpoint_path,
                                           latest_valid_checkpoint, prune_checkpoints,
                                           remove_partial_writes, restore_rng_state,
                                           save_checkpoint, settings_differences)
 from qsync_lab.runtime.agreement import check_ranks_agree
 from qsync_lab.runtime.lock import lock_for_this_process
+from qsync_lab.runtime.machine import emulated_kinds, emulated_on_cpu
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.metrics import MetricsLog, strict_json
 from qsync_lab.runtime.options import SAFE_CHANGES, TrainConfig, option_name
@@ -141,11 +148,13 @@ class _Run:
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(config.run_dir)
-        self.cuda = torch.cuda.is_available()
+        self.cuda = torch.cuda.is_available() and not config.emulate
         self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                        if self.cuda else torch.device("cpu"))
         if self.cuda:
             torch.cuda.set_device(self.device)
+            # fp32 ops compute in fp32; tf32 ops switch TF32 on around themselves
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         if config.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -255,6 +264,10 @@ class _Run:
                                                     seed=self.config.seed)
         self.optimizer = make_optimizer(self.optimizer_name, self.ddp.parameters(),
                                         lr=self.config.lr, momentum=self.config.momentum)
+        # fp16 gradients on a GPU underflow without loss scaling (torch's GradScaler; the
+        # CPU emulation keeps its exact numerics)
+        fp16 = (describe_precisions(model)["backward"] == "fp16").any()
+        self.loss_scale = torch.amp.GradScaler("cuda", enabled=bool(self.cuda and fp16))
 
     def _restore(self) -> int:
         """Continue from the newest valid checkpoint (with ``resume``); the step reached."""
@@ -303,6 +316,8 @@ class _Run:
             restore_rounding_counters(self.ddp.module, mine["rounding"])
             if self.compression is not None:
                 self.compression.load_state_dict(mine["compression"])
+            if self.loss_scale.is_enabled():
+                self.loss_scale.load_state_dict(mine["loss_scale"])
             restore_rng_state(mine["rng"])
             self.nonfinite_skipped = int(state["nonfinite_steps_skipped"])
         except _STATE_ERRORS as err:
@@ -312,7 +327,9 @@ class _Run:
     def _checkpoint(self, step: int) -> None:
         mine = {"rng": capture_rng_state(), "rounding": rounding_counters(self.ddp.module),
                 "compression": (self.compression.state_dict()
-                                if self.compression is not None else None)}
+                                if self.compression is not None else None),
+                "loss_scale": (self.loss_scale.state_dict()
+                               if self.loss_scale.is_enabled() else None)}
         gathered = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if self.rank == 0:
@@ -334,18 +351,26 @@ class _Run:
         target = self.task.train_target[index].to(self.device)
         begin = time.perf_counter()
         self.optimizer.zero_grad()
-        loss = self.loss_fn(call_model(self.ddp, inputs), target)
+        # the loss in fp32 (as autocast computes it), whatever dtype the last op wrote
+        loss = self.loss_fn(fp32_inputs(None, (call_model(self.ddp, inputs),))[0], target)
         # a non-finite loss makes the gradients NaN: DDP's allreduce takes them to every rank
         weight = torch.where(torch.isfinite(loss.detach()), self.weight, math.nan).to(loss.dtype)
         try:
-            (loss * weight).backward()
+            self.loss_scale.scale(loss * weight).backward()
         except RuntimeError:
             failure = self.compression.failure if self.compression is not None else None
             if isinstance(failure, QSyncError):  # a compression hook met a non-finite gradient
                 raise QSyncError(f"step {step}: {failure}") from None
             raise
+        if self.loss_scale.is_enabled():
+            self.loss_scale.unscale_(self.optimizer)
         nonfinite = self._first_nonfinite_gradient()
-        if nonfinite is None:
+        if self.loss_scale.is_enabled():  # it skips a step whose fp16 gradients overflowed
+            self.loss_scale.step(self.optimizer)
+            self.loss_scale.update()
+            if nonfinite is not None and math.isfinite(float(loss.detach())):
+                nonfinite = None  # an overflow: the scale halves, the run goes on
+        elif nonfinite is None:
             self.optimizer.step()
         if self.cuda:
             torch.cuda.synchronize()
@@ -470,12 +495,14 @@ class _Run:
     def _summary(self, ranks: list[dict], start: int) -> dict[str, Any]:
         from qsync_lab.runtime.prediction import predict_plan
 
-        accuracy, test_loss = self._evaluate()
+        accuracy, test_loss, chance = self._evaluate()
         profiles, costs = run_profiles(self.config.profiles, cuda=self.cuda), self.costs
         if self.model_profile:  # read first: its op rows win
             profiles = (self.model_profile, *profiles)
             costs = load_cost_model(*profiles)
-        predicted = predict_plan(self.plan, self.graph, costs, optimizer=self.optimizer_name)
+        predicted = predict_plan(self.plan, self.graph, costs, optimizer=self.optimizer_name,
+                                 on_cpu=not self.cuda)
+        emulating = emulated_kinds(self.cluster if self.cuda else emulated_on_cpu(self.cluster))
         measured_ms = max(r["median_step_ms"] for r in ranks)
         predicted_ms = predicted.iteration_us / 1e3
         measured_mem = max(r["tensor_peak_bytes"] for r in ranks)
@@ -484,7 +511,7 @@ class _Run:
             "model": self.task.model_name or "user", "task": self.task.name,
             "cluster": self.cluster.name, "world_size": self.world,
             "backend": dist.get_backend(), "steps": self.config.steps, "resumed_from": start,
-            "test_accuracy": accuracy, "test_loss": test_loss,
+            "test_accuracy": accuracy, "test_loss": test_loss, "chance_accuracy": chance,
             "measured_step_ms": measured_ms, "predicted_step_ms": predicted_ms,
             "step_error_pct": 100 * (predicted_ms - measured_ms) / measured_ms,
             "measured_tensor_peak_mib": measured_mem / _MIB,
@@ -495,21 +522,27 @@ class _Run:
             "warmup_steps": self.warmup_used,
             "timed_steps": self.config.steps - start - self.warmup_used,
             "prediction_costs": ", ".join(Path(p).name for p in profiles) or "catalog roofline",
+            "emulating": list(emulating),
+            "plan_made_under": self.plan.made_under(),
             "ranks": ranks,
         }
 
     @torch.no_grad()
-    def _evaluate(self) -> tuple[float, float]:
+    def _evaluate(self) -> tuple[float | None, float, float | None]:
+        """Test accuracy (None: the model returns more than class scores), test loss and
+        chance accuracy (the most frequent test label's share: what always guessing it
+        scores; None with no accuracy)."""
         model = self.ddp.module
         model.eval()
         inputs = map_inputs(self.task.test_inputs, lambda t: t.to(self.device))
         target = self.task.test_target.to(self.device)
         output = call_model(model, inputs)
         model.train()
-        accuracy = None  # a model returning more than class scores: the loss only
+        accuracy = chance = None  # a model returning more than class scores: the loss only
         if isinstance(output, torch.Tensor) and output.shape[:-1] == target.shape:
             accuracy = float((output.argmax(-1) == target).float().mean())
-        return accuracy, float(self.loss_fn(output, target))
+            chance = float(target.flatten().bincount().max()) / target.numel()
+        return accuracy, float(self.loss_fn(output, target)), chance
 
 
 def _process_peak_rss_bytes() -> int:

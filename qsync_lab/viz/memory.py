@@ -37,7 +37,7 @@ def plot_memory(sim, cluster, *, memory_gib: Mapping[str, float] | None = None,
         >>> fig.data[-1].name, list(fig.data[-1].y)
         ('limit', [32.0, 8.0])
     """
-    from qsync_lab.allocate import Constraints
+    from qsync_lab.constraints import Constraints
 
     if tuple(r.device for r in cluster.ranks) != sim.rank_devices:
         raise QSyncError(f"cluster {cluster.name!r} is not the one simulated (ranks "

@@ -1,6 +1,7 @@
-"""The tuner's plan summary as HTML: predicted step time and throughput, then per device
-kind its ranks, peak memory against its budget and low-precision ops; or a one-line error
-above the last feasible plan's summary.
+"""The tuner's plan summary as HTML: predicted step time and throughput, what the plan was
+made under (:meth:`~qsync_lab.plan.Plan.made_under`: what an export records), then per
+device kind its ranks, peak memory against its budget and low-precision ops; or a one-line
+error above the last feasible plan's summary.
 
 Example::
 
@@ -10,7 +11,7 @@ Example::
 
 import html
 
-from qsync_lab.allocate import Constraints
+from qsync_lab.constraints import Constraints
 from qsync_lab.devices import BYTES_PER_GIB
 from qsync_lab.widgets.replan import TunerResult
 
@@ -24,7 +25,7 @@ def summary_html(result: TunerResult) -> str:
     """The summary of ``result``."""
     plan, sim, settings = result.plan, result.sim, result.settings
     cluster = plan.cluster
-    budgets = Constraints(dict(result.memory_gib))
+    budgets = plan.constraints or Constraints(dict(result.memory_gib))
     low_ops = plan.low_precision_ops()
     rows = []
     for kind in cluster.device_kinds:
@@ -42,7 +43,8 @@ def summary_html(result: TunerResult) -> str:
             f"compression {html.escape(str(plan.compression_settings))} "
             f"(re-planned in {result.seconds:.2f} s)<br>"
             f"step time predicted <b>{sim.iteration_us / 1e3:.3f} ms</b>, "
-            f"{sim.throughput_samples_per_s:.1f} samples/s</div>"
+            f"{sim.throughput_samples_per_s:.1f} samples/s<br>"
+            f"made under {html.escape(plan.made_under())}</div>"
             "<table><tr><th>device kind</th><th>ranks x batch</th><th>peak memory / budget"
             f"</th><th>low-precision ops</th></tr>{''.join(rows)}</table>{note}")
 

@@ -102,3 +102,15 @@ def test_loss_weights_average_to_the_global_mean():
 def test_sampler_errors(samples, sizes, message):
     with pytest.raises(QSyncError, match=message):
         UnevenBatchSampler(samples, sizes)
+
+
+@pytest.mark.parametrize("task, model", [("digits", "digits_cnn"), ("mnist1d", "digits_mlp"),
+                                         ("tokens", "bert_mini"), ("zipf_tokens", "bert_mini"),
+                                         ("synthetic", "resnet18")])
+def test_the_sizes_qsync_lab_run_checks_before_torch_are_the_tasks(task, model):
+    """``TRAIN_SAMPLES`` (read without torch) is every bundled task's training-set size."""
+    from qsync_lab.runtime.task_sizes import TRAIN_SAMPLES
+    from qsync_lab.runtime.tasks import TASKS
+
+    assert set(TRAIN_SAMPLES) == set(TASKS)
+    assert load_task(task, model).num_train == TRAIN_SAMPLES[task]

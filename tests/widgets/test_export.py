@@ -24,6 +24,18 @@ def test_export_writes_a_plan_that_loads_and_shows_the_clusters_command(tuner, s
     assert command[command.index("-m") + 1] == "qsync_lab.runtime"
 
 
+def test_the_exported_plan_records_the_constraints_the_summary_shows(tuner, study, tmp_path):
+    """The tuner's memory slider is the plan's recorded budget: in its summary, in the file."""
+    tuner.controls.memory_gib["T4"].value = 0.5
+    tuner.export_folder.value = "plans/tight"
+    tuner.export_button.click()
+    loaded = Plan.load(tmp_path / "plans" / "tight" / "plan.json", graph=study.graph)
+    assert loaded.constraints.memory_gib["T4"] == 0.5
+    assert loaded.constraints == tuner.result.plan.constraints
+    assert "T4 0.5 GiB; throughput: the fastest kind at fp32 sets the pace" in \
+        tuner.summary.value
+
+
 @pytest.mark.parametrize("folder", ["../x", "a/../../x", "a/../b", "/tmp/elsewhere"])
 def test_export_refuses_a_folder_outside_its_root(tuner, tmp_path, folder):
     tuner.export_folder.value = folder
