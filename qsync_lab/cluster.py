@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
+from types import MappingProxyType
 
 import pandas as pd
 
@@ -48,7 +49,8 @@ __all__ = ["Cluster", "RankSpec", "cluster_from_definition", "list_clusters", "l
 EMULATION_TARGETS = ("cpu",)
 _CLUSTER_KEYS = ("name", "description", "batch_size", "inter_node_link", "node")
 _NODE_KEYS = ("name", "intra_node_link", "devices")
-_GROUP_KEYS = ("kind", "count", "batch_size", "emulate_on")
+_GROUP_KEYS = ("kind", "count", "batch_size", "emulate_on", "sms", "gpu")
+_MAX_GPUS_PER_NODE = 64
 _LINK_EXPECTED = (
     "a link name from links.toml or an inline table {bandwidth_GBps = ..., latency_us = ...}"
 )
@@ -65,6 +67,10 @@ class RankSpec:
         device: catalog name of the device kind it runs as.
         batch_size: per-rank batch size.
         emulate_on: ``"cpu"`` when the device is emulated on this machine's CPU, else None.
+        gpu: the node's GPU index the rank runs on (None: its local rank's).
+        sms: the multiprocessors of that GPU the rank runs on (None: all of them); its
+            ``device`` is then the partition kind ``<kind>/<sms>sm``
+            (:meth:`~qsync_lab.devices.DeviceSpec.partition`).
     """
 
     rank: int
@@ -73,6 +79,8 @@ class RankSpec:
     device: str
     batch_size: int
     emulate_on: str | None
+    gpu: int | None = None
+    sms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,8 @@ class Cluster:
         return self.inter_node_link
 
     def ranks_frame(self) -> pd.DataFrame:
-        """One row per rank: rank, node, node_name, local_rank, device, batch_size, emulate_on.
+        """One row per rank: rank, node, node_name, local_rank, device, batch_size, emulate_on,
+        gpu, sms.
 
         Example::
 
@@ -260,7 +269,7 @@ def list_clusters() -> list[str]:
     Example::
 
         >>> list_clusters()
-        ['local-cpu', 'local-hybrid', 'qsync-paper', 'v100-t4-small']
+        ['local-cpu', 'local-hybrid', 'one-gpu-hybrid', 'qsync-paper', 'v100-t4-small']
     """
     files = data_file("clusters").iterdir()
     return sorted(f.name.removesuffix(".toml") for f in files if f.name.endswith(".toml"))
@@ -316,6 +325,7 @@ def _build(document: TomlTable, catalog: DeviceCatalog | None) -> Cluster:
     ranks: list[RankSpec] = []
     node_names: list[str] = []
     intra_node_links: list[LinkSpec] = []
+    partitions: dict[str, DeviceSpec] = {}
     for node, node_table in enumerate(node_tables):
         node_table.check_keys(_NODE_KEYS)
         node_name = node_table.string("name")
@@ -328,6 +338,7 @@ def _build(document: TomlTable, catalog: DeviceCatalog | None) -> Cluster:
         node_names.append(node_name)
         intra_node_links.append(_link(catalog, node_table, "intra_node_link"))
         local_rank = 0
+        used_sms: dict[int, int] = {}
         for group in node_table.tables("devices"):
             device, count, batch_size, emulate_on = _device_group(
                 catalog, group, default_batch_size
@@ -336,9 +347,18 @@ def _build(document: TomlTable, catalog: DeviceCatalog | None) -> Cluster:
                 raise group.error(
                     f"{len(ranks) + count} ranks so far, over the limit of {MAX_RANKS}", "count"
                 )
+            sms, gpu = _partition(catalog, group, device, count, used_sms)
+            if sms is not None:
+                spec = catalog.device(device).partition(sms)
+                partitions[spec.name] = spec
+                device = spec.name
             for _ in range(count):
-                ranks.append(RankSpec(len(ranks), node, local_rank, device, batch_size, emulate_on))
+                ranks.append(RankSpec(len(ranks), node, local_rank, device, batch_size, emulate_on,
+                                      gpu, sms))
                 local_rank += 1
+    if partitions:
+        catalog = DeviceCatalog(MappingProxyType({**catalog.devices, **partitions}),
+                                catalog.links)
     has_inter_link = "inter_node_link" in document.data or len(node_tables) > 1
     return Cluster(
         name=document.string("name"),
@@ -397,6 +417,32 @@ def _device_group(
     expected_target = " or ".join(f'"{t}"' for t in EMULATION_TARGETS)
     emulate_on = group.value("emulate_on", expected_target, lambda v: v in EMULATION_TARGETS, None)
     return device, count, batch_size, emulate_on
+
+
+def _partition(catalog: DeviceCatalog, group: TomlTable, device: str, count: int,
+               used_sms: dict[int, int]) -> tuple[int | None, int | None]:
+    """``(sms, gpu)`` of a group that runs on a share of one GPU (``sms``, and ``gpu``: the
+    node's GPU index, default 0), else ``(None, None)``; ``used_sms`` counts each GPU's SMs
+    taken so far on the node, and no GPU gives more than it has."""
+    if "sms" not in group.data:
+        if "gpu" in group.data:
+            raise group.error("gpu applies to a group that runs on a share of a GPU; add "
+                              "sms = N or drop it", "gpu")
+        return None, None
+    spec = catalog.device(device)
+    if spec.sm_count is None:
+        raise group.error(f"{spec.name} has no sm_count in the catalog, so it cannot be "
+                          "partitioned; drop sms", "sms")
+    sms = group.positive_int("sms", maximum=spec.sm_count)
+    gpu = group.data.get("gpu", 0)
+    if gpu != 0:  # 0, or a positive index
+        gpu = group.positive_int("gpu", maximum=_MAX_GPUS_PER_NODE - 1)
+    used_sms[gpu] = used_sms.get(gpu, 0) + sms * count
+    if used_sms[gpu] > spec.sm_count:
+        raise group.error(f"GPU {gpu} of this node would give {used_sms[gpu]} SMs to its ranks "
+                          f"but a {spec.name} has {spec.sm_count}; give fewer sms or another "
+                          "gpu", "sms")
+    return sms, gpu
 
 
 def _link(catalog: DeviceCatalog, table: TomlTable, name: str) -> LinkSpec:

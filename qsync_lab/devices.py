@@ -21,6 +21,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
 from types import MappingProxyType
@@ -42,6 +43,7 @@ BYTES_PER_GB = 1e9
 FLOPS_PER_TFLOPS = 1e12
 US_PER_SECOND = 1e6
 
+_MAX_SMS = 4096
 _CC_PATTERN = re.compile(r"\d+\.\d+")
 _Spec = TypeVar("_Spec")
 
@@ -66,6 +68,8 @@ class DeviceSpec:
             roofline's factor for those kinds on this device; empty: the defaults).
         memory_efficiency: measured fraction of ``memory_bandwidth_Bps`` a streaming
             copy reaches, the roofline's memory factor for every kind (None: the defaults).
+        sm_count: a GPU's streaming multiprocessors (None: not given); a cluster may run
+            a rank on a share of them (:meth:`partition`).
     """
 
     name: str
@@ -80,6 +84,7 @@ class DeviceSpec:
     source: str
     compute_efficiency: Mapping[str, float] = field(default_factory=dict, hash=False)
     memory_efficiency: float | None = None
+    sm_count: int | None = None
 
     @property
     def precision_list(self) -> tuple[Precision, ...]:
@@ -119,6 +124,39 @@ class DeviceSpec:
                 "use one of those or another device"
             )
         return parsed
+
+    def partition(self, sms: int) -> "DeviceSpec":
+        """This GPU restricted to ``sms`` of its multiprocessors (a green context), as a
+        device kind of its own, ``<name>/<sms>sm``.
+
+        Its peaks scale with the SM share. So do its memory bandwidth and memory: a first
+        model of a GPU shared by several ranks at once (one partition alone can draw more
+        bandwidth than its share), to be replaced by measured rows
+        (``benchmarks/hybrid_gpu.py``).
+
+        Example::
+
+            >>> part = load_catalog().device("H100-SXM5-80GB").partition(33)
+            >>> part.name, part.peak_flops_for("bf16") / 1e12
+            ('H100-SXM5-80GB/33sm', 247.35)
+
+        Raises:
+            QSyncError: the device is no GPU with a known ``sm_count``, or ``sms`` is not in
+                1..sm_count.
+        """
+        if self.sm_count is None:
+            raise QSyncError(f"{self.name} has no sm_count in its catalog entry, so it cannot "
+                             "be partitioned; add sm_count = N to it or drop sms")
+        if not (isinstance(sms, int) and 0 < sms <= self.sm_count):
+            raise QSyncError(f"sms must be an integer in 1..{self.sm_count} for {self.name}, "
+                             f"got {sms!r}")
+        share = sms / self.sm_count
+        return dataclasses.replace(
+            self, name=f"{self.name}/{sms}sm", sm_count=sms,
+            memory_bytes=int(self.memory_bytes * share),
+            memory_bandwidth_Bps=self.memory_bandwidth_Bps * share,
+            peak_flops=MappingProxyType({p: v * share for p, v in self.peak_flops.items()}),
+            source=f"{self.source}; {sms} of its {self.sm_count} SMs (a green context)")
 
     def peak_flops_for(self, precision: Precision | str) -> float:
         """Dense peak FLOP/s in ``precision``; QSyncError if unsupported.
@@ -274,13 +312,14 @@ def _build_catalog(sources: Iterable["Traversable | str | os.PathLike[str]"]) ->
 
 _DEVICE_KEYS = ("vendor", "kind", "memory_gib", "memory_bandwidth_GBps", "peak_tflops", "source",
                 "compute_efficiency", "memory_efficiency")
+_GPU_KEYS = (*_DEVICE_KEYS, "compute_capability", "sm_count")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us", "source")
 
 
 def _parse_device(name: str, table: TomlTable, rules: Mapping[Precision, _Rule]) -> DeviceSpec:
     kind = table.value("kind", 'one of "gpu", "cpu"', lambda v: v in ("gpu", "cpu"))
     if kind == "gpu":
-        table.check_keys((*_DEVICE_KEYS, "compute_capability"))
+        table.check_keys(_GPU_KEYS)
         cc = _parse_cc(table, "compute_capability")
         precisions = frozenset(p for p, rule in rules.items() if cc >= rule.min_cc)
     else:
@@ -301,6 +340,7 @@ def _parse_device(name: str, table: TomlTable, rules: Mapping[Precision, _Rule])
         compute_efficiency=_parse_efficiencies(table.table("compute_efficiency", {})),
         memory_efficiency=(table.number("memory_efficiency", maximum=1.0)
                            if "memory_efficiency" in table.data else None),
+        sm_count=table.positive_int("sm_count", None, maximum=_MAX_SMS),
     )
 
 

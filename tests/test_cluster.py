@@ -7,11 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qsync_lab.cluster import list_clusters, load_cluster
+from qsync_lab.cluster import cluster_from_definition, list_clusters, load_cluster
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
 
-SHIPPED = ["local-cpu", "local-hybrid", "qsync-paper", "v100-t4-small"]
+SHIPPED = ["local-cpu", "local-hybrid", "one-gpu-hybrid", "qsync-paper", "v100-t4-small"]
 
 USER_CLUSTER = """
 name = "mine"
@@ -117,10 +117,11 @@ def test_local_cpu_and_small_hybrid():
 def test_ranks_frame():
     frame = load_cluster("qsync-paper").ranks_frame()
     assert list(frame.columns) == [
-        "rank", "node", "node_name", "local_rank", "device", "batch_size", "emulate_on"
+        "rank", "node", "node_name", "local_rank", "device", "batch_size", "emulate_on", "gpu",
+        "sms"
     ]
     assert len(frame) == 32
-    assert frame.loc[17].tolist() == [17, 2, "t4-0", 1, "T4", 32, None]
+    assert frame.loc[17].tolist() == [17, 2, "t4-0", 1, "T4", 32, None, None, None]
 
 
 def test_summary_one_row_per_device_kind():
@@ -311,7 +312,7 @@ def _break(old: str, new: str, count: int = 1):
         pytest.param(
             _break("count = 2", "count = 2, kinds = 1"),
             "node[0].devices[0].kinds",
-            "unknown key; expected one of: batch_size, count, emulate_on, kind",
+            "unknown key; expected one of: batch_size, count, emulate_on, gpu, kind, sms",
             id="group-key",
         ),
         pytest.param(
@@ -348,3 +349,43 @@ def test_missing_cluster_file(tmp_path):
     missing = tmp_path / "nope.toml"
     with pytest.raises(QSyncError, match=rf"^{re.escape(str(missing))}: no such file"):
         load_cluster(missing)
+
+
+def _cluster_text(devices: str) -> str:
+    return ('name = "split"\nbatch_size = 8\n[[node]]\nname = "n0"\n'
+            f'intra_node_link = "loopback"\ndevices = [{devices}]\n')
+
+
+def test_a_rank_may_run_on_a_share_of_a_gpus_sms(tmp_path):
+    cluster = load_cluster("one-gpu-hybrid")
+    fast, slow = (cluster.catalog.device(r.device) for r in cluster.ranks)
+    h100 = cluster.catalog.device("H100-SXM5-80GB")
+    assert [(r.device, r.gpu, r.sms) for r in cluster.ranks] == [
+        ("H100-SXM5-80GB/116sm", 0, 116), ("H100-SXM5-80GB/16sm", 0, 16)]
+    assert slow.peak_flops_for("bf16") == pytest.approx(h100.peak_flops_for("bf16") * 16 / 132)
+    assert fast.memory_bandwidth_Bps == pytest.approx(h100.memory_bandwidth_Bps * 116 / 132)
+    assert slow.precisions == h100.precisions and not slow.emulated
+    again = cluster_from_definition(cluster.definition)  # a plan carries it
+    assert again.device_kinds == cluster.device_kinds
+
+
+@pytest.mark.parametrize("devices, message", [
+    ('{ kind = "H100-SXM5-80GB", count = 2, sms = 100 }',
+     "GPU 0 of this node would give 200 SMs to its ranks but a H100-SXM5-80GB has 132"),
+    ('{ kind = "H100-SXM5-80GB", sms = 0 }', "sms"),
+    ('{ kind = "H100-SXM5-80GB", sms = 200 }', "over the limit of 132"),
+    ('{ kind = "cpu", sms = 4 }', "cpu has no sm_count"),
+    ('{ kind = "T4", gpu = 1 }', "gpu applies to a group that runs on a share of a GPU"),
+])
+def test_impossible_partitions_are_refused_in_one_line(tmp_path, devices, message):
+    path = tmp_path / "split.toml"
+    path.write_text(_cluster_text(devices))
+    with pytest.raises(QSyncError, match=re.escape(message)):
+        load_cluster(path)
+
+
+def test_partitions_of_two_gpus_are_counted_apart(tmp_path):
+    path = tmp_path / "split.toml"
+    path.write_text(_cluster_text('{ kind = "H100-SXM5-80GB", sms = 100 }, '
+                                  '{ kind = "H100-SXM5-80GB", sms = 100, gpu = 1 }'))
+    assert [r.gpu for r in load_cluster(path).ranks] == [0, 1]
