@@ -82,6 +82,11 @@ class RankSpec:
     gpu: int | None = None
     sms: int | None = None
 
+    @property
+    def gpu_index(self) -> int:
+        """The node's GPU index the rank runs on: its group's ``gpu``, else its local rank."""
+        return self.local_rank if self.gpu is None else self.gpu
+
 
 @dataclass(frozen=True)
 class Cluster:

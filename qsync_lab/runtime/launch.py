@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING, Any
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import open_log
 from qsync_lab.plan import Plan
+from qsync_lab.runtime.gpu_share import mps_daemon, shared_gpus
 from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check_run_dir_free,
                                     forget_ended_holder)
-from qsync_lab.runtime.machine import check_cores, check_data, check_devices
+from qsync_lab.runtime.machine import check_cores, check_data, check_devices, cuda_here
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
 from qsync_lab.runtime.outputs import LOG_NAME, METRICS, SUMMARY, check_outputs
 from qsync_lab.runtime.task_sizes import default_task_name
@@ -239,15 +240,16 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
     run_dir = Path(config.run_dir)
     summary = run_dir / SUMMARY
     before = _stamp(summary)
-    job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
-                rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
-                env=env, log=not verbose, oversubscribe=oversubscribe)
-    log = None if verbose else run_dir / LOG_NAME
-    try:
-        returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
-    finally:
-        if nnodes == 1:  # torchrun has ended: the next run needs no takeover note
-            forget_ended_holder(run_dir)
+    with mps_daemon(_shared_gpus(config) if nnodes == 1 else []):
+        job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                    rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
+                    env=env, log=not verbose, oversubscribe=oversubscribe)
+        log = None if verbose else run_dir / LOG_NAME
+        try:
+            returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
+        finally:
+            if nnodes == 1:  # torchrun has ended: the next run needs no takeover note
+                forget_ended_holder(run_dir)
     if log is not None:
         _show_notes(log)
     if returncode:
@@ -256,6 +258,18 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
                          f"{rank_error(log)}{where}")
     written = _stamp(summary)
     return json.loads(summary.read_text()) if written not in (None, before) else None
+
+
+def _shared_gpus(config: TrainConfig) -> list[int]:
+    """The GPUs of this node that several of the plan's ranks share (they run at once only
+    under MPS: :func:`~qsync_lab.runtime.gpu_share.mps_daemon`); none on the CPU."""
+    if config.emulate or not cuda_here():
+        return []
+    try:
+        ranks = Plan.load(config.plan).cluster.ranks
+    except QSyncError:
+        return []  # check_run says what is wrong with it
+    return shared_gpus([r.gpu_index for r in ranks if r.node == 0])
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

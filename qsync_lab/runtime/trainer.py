@@ -84,6 +84,7 @@ from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpo
                                           remove_partial_writes, restore_rng_state,
                                           save_checkpoint, settings_differences)
 from qsync_lab.runtime.agreement import check_ranks_agree
+from qsync_lab.runtime.gpu_share import backend_for, enter_sm_partition
 from qsync_lab.runtime.lock import lock_for_this_process
 from qsync_lab.runtime.machine import emulated_kinds, emulated_on_cpu
 from qsync_lab.runtime.memory import MemoryWindow
@@ -119,7 +120,7 @@ def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | Non
     keep_freed_memory()
     own_group = not dist.is_initialized()
     if own_group:
-        _init_process_group()
+        _init_process_group(_backend(config))
     lock = lock_for_this_process(config.run_dir) if dist.get_rank() == 0 else None
     try:
         return _Run(config, task).train()
@@ -130,15 +131,24 @@ def train(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | Non
             dist.destroy_process_group()
 
 
-def _init_process_group() -> None:
+def _init_process_group(backend: str) -> None:
     """The default group from torchrun's environment, its store keys prefixed by the restart
     count: after a restart, torchrun's store still holds the dead attempt's addresses under
     the default keys, and connecting to them fails ("Connection refused")."""
     store, rank, world = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            store=dist.PrefixStore(f"qsync_lab/attempt{attempt}", store),
+    dist.init_process_group(backend, store=dist.PrefixStore(f"qsync_lab/attempt{attempt}", store),
                             rank=rank, world_size=world)
+
+
+def _backend(config: TrainConfig) -> str:
+    """NCCL for CUDA ranks with a GPU each; gloo on the CPU and where the ranks of this node
+    share a GPU (:func:`~qsync_lab.runtime.gpu_share.backend_for`)."""
+    if config.emulate or not torch.cuda.is_available():
+        return "gloo"
+    ranks = Plan.load(config.plan).cluster.ranks
+    node = ranks[int(os.environ.get("RANK", "0"))].node
+    return backend_for([r.gpu_index for r in ranks if r.node == node], cuda=True)
 
 
 class _Run:
@@ -149,21 +159,23 @@ class _Run:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(config.run_dir)
         self.cuda = torch.cuda.is_available() and not config.emulate
-        self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                       if self.cuda else torch.device("cpu"))
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-            # fp32 ops compute in fp32; tf32 ops switch TF32 on around themselves
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        if config.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
         self.plan = Plan.load(config.plan)
         self.cluster = self.plan.cluster
         if self.plan.world_size != self.world:
             raise QSyncError(f"the plan's cluster {self.cluster.name!r} has "
                              f"{self.plan.world_size} ranks but torchrun started {self.world}; "
                              f"use --nproc-per-node={self.plan.world_size} (or re-plan)")
+        me = self.plan.ranks[self.rank]
+        self.device = torch.device("cuda", me.gpu_index) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            if me.sms is not None:  # before any other CUDA work: every stream on its SMs
+                enter_sm_partition(me.sms, self.device.index)
+            # fp32 ops compute in fp32; tf32 ops switch TF32 on around themselves
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        if config.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         # the prediction's costs, read now: a bad --profile fails before training, not after
         self.costs = load_cost_model(*run_profiles(config.profiles, cuda=self.cuda))
         self.optimizer_name = config.optimizer or self.plan.optimizer
