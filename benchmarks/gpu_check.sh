@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA, PyTorch, Numba and numba-cuda installed
-# (CI has no GPU; see README "GPU"). Logs go to $OUT (default: ./gpu_out).
-#   bash benchmarks/gpu_check.sh [step ...]   steps: tests kernels buckets hooks quant train
-#                                             (default: all)
-#   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
+# (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
+#   bash benchmarks/gpu_check.sh [step ...]
+#   default: quant profile train tests kernels buckets   (about 8 minutes at most)
+#   then, in a second call: hooks hybrid                  (about 5 minutes at most)
+# quant: the quant GPU tests (native fp16/bf16/tf32/int8/fp8 operators, kernels and dtypes per
+#   op, launches of a bf16 BERT against torch.autocast)
+# profile: qsync-lab profile --device cuda of BERT-base and ResNet-50 at batch 32 in every
+#   precision ($OUT/gpu_profile.csv), which the train step predicts from as well
 # train: benchmarks/gpu_training.py, the training step of BERT-base, ResNet-50 and a GPT decoder
 #   under each plan (fp32 ... fp8, qsync) beside plain torch (eager, TF32, autocast), measured
 #   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (rows that
-#   start after 180 s are skipped, so the step ends within its 240 s)
+#   start after 150 s are skipped)
+# tests, kernels, buckets, hooks: the CUDA kernels and the compression hook
+#   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
+# hybrid: benchmarks/hybrid_gpu.py, the GPU split into a fast and a slow partition (green
+#   contexts under MPS), each strategy trained and predicted ($OUT/hybrid_gpu.csv)
 # Each step has its own time limit, so one stuck step cannot hide the others' results.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STEPS=${*:-tests kernels buckets hooks quant train}
+STEPS=${*:-quant profile train tests kernels buckets}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 step() {  # step NAME SECONDS COMMAND...: run it, log it, say how it ended
@@ -62,16 +70,22 @@ fi
 # reported, not turned into errors
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts=-ra -W default --gpu)
 for name in $STEPS; do
+    [ -s "$OUT/gpu_profile.csv" ] && GPU_PROFILE="$OUT/gpu_profile.csv"
     case $name in
-        tests) step tests 60 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
-        kernels) step kernels 90 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
-        hooks) step hooks "${HOOKS_LIMIT:-150}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
-                   ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
-        buckets) step buckets 80 $PY benchmarks/compression.py --device cuda --worlds 1 \
+        quant) step quant 60 "${PYTEST[@]}" -m gpu tests/quant ;;
+        profile) step profile 90 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
+                     --model resnet50 --batch 32 --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 \
+                     --repeats 5 --out "$OUT/gpu_profile.csv" ;;
+        train) step train 200 $PY benchmarks/gpu_training.py --kernels --budget-s 150 \
+                   --out "$OUT" ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
+        tests) step tests 40 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
+        kernels) step kernels 50 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
+        buckets) step buckets 40 $PY benchmarks/compression.py --device cuda --worlds 1 \
                      --skip-runs --repeats 20 ;;
-        quant) step quant 90 "${PYTEST[@]}" -m gpu tests/quant ;;
-        train) step train 240 $PY benchmarks/gpu_training.py --kernels --budget-s 180 \
-                   --out "$OUT" ;;
+        hooks) step hooks "${HOOKS_LIMIT:-90}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
+                   ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
+        hybrid) step hybrid 240 $PY benchmarks/hybrid_gpu.py --steps 30 --out "$OUT" \
+                    ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
         *) echo "unknown step $name" ;;
     esac
 done

@@ -142,6 +142,10 @@ def _add_profile_parser(sub) -> None:
                          help="also time gradient compressors' encode and decode through "
                          "the hook: these specs (e.g. global_qsgd:8 cgx:4,error_feedback=true)"
                          ", or without a spec the defaults")
+    profile.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                         help="where the ops run: this CPU (default), or this machine's GPU, "
+                         "timed with CUDA events, its rows named after its catalog kind "
+                         "(links and compressors are then not profiled)")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=_cmd_profile)
 
@@ -161,7 +165,7 @@ def _cmd_profile(args) -> None:
     written = profile_machine(jobs, args.out, precisions=args.precisions.split(","),
                               threads=args.threads, repeats=args.repeats,
                               processes=args.processes, method=args.method, links=args.links,
-                              compression=compression)
+                              compression=compression, device=args.device)
     print(written)
 
 
@@ -334,7 +338,8 @@ def _cmd_lab(args) -> None:
     if not 0 < args.port < 2**16:
         raise QSyncError(f"--port must be in 1..65535, got {args.port}")
     if importlib.util.find_spec("voila") is None:
-        raise QSyncError("qsync-lab lab needs voila: pip install 'qsync_lab[notebook]'")
+        raise QSyncError("qsync-lab lab needs voila: pip install -e '.[notebook]' in the "
+                         "repository (the notebook extra)")
     token = secrets.token_urlsafe(32)
     print(f"serving {args.notebook} at http://127.0.0.1:{args.port}/?token={token} "
           "(Ctrl-C stops it)", flush=True)

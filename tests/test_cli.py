@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from qsync_lab.cli import LAB_NOTEBOOK, main, voila_command
 
@@ -358,11 +359,11 @@ def test_lab_without_voila_says_what_to_install(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "voila" else find_spec(name, *a))
     code, _, err = run(capsys, "lab", "--notebook", str(notebook))
-    assert code == 2 and "pip install 'qsync_lab[notebook]'" in err and err.count("\n") == 1
+    assert code == 2 and "pip install -e '.[notebook]'" in err and err.count("\n") == 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("voila") is None,
-                    reason="voila is not installed (pip install 'qsync_lab[notebook]')")
+                    reason="voila is not installed (pip install -e '.[notebook]')")
 def test_lab_serves_the_notebook_behind_its_token(tmp_path):
     notebook = tmp_path / "tiny.ipynb"
     notebook.write_text(json.dumps(TINY_NOTEBOOK))
@@ -439,3 +440,11 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_profile_on_a_gpu_without_one_is_one_line(capsys, tmp_path):
+    code, _, err = run(capsys, "profile", "--model", "digits_cnn", "--device", "cuda",
+                       "--out", str(tmp_path / "gpu.csv"))
+    assert code == 2 and "no CUDA GPU is visible" in err and err.count("\n") == 1
+    assert not (tmp_path / "gpu.csv").exists()

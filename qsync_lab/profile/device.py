@@ -46,7 +46,7 @@ def profile_device(device: "torch.device | str") -> torch.device:
     if parsed.type not in ("cpu", "cuda"):
         raise QSyncError(f"cannot profile on {parsed.type}; use 'cpu' or 'cuda'")
     if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise QSyncError("no CUDA GPU is visible to torch; profile with device='cpu'")
+        raise QSyncError("no CUDA GPU is visible to torch; profile on the CPU (device='cpu', qsync-lab profile --device cpu)")
     return parsed
 
 
