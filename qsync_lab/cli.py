@@ -23,10 +23,14 @@ import warnings
 from pathlib import Path
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.resources import data_file
 
 _OP_COLUMNS = ["kind", "output_shapes", "fwd_gflops", "bwd_gflops", "saved_mb", "depth"]
 #: what ``qsync-lab lab`` serves by default (the repository's notebooks folder)
-LAB_NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "04_plan_tuner.ipynb"
+LAB_NOTEBOOK = Path(str(data_file("lab.ipynb")))  # the lab app: the tuner's panel alone
+#: seconds a lab kernel may sit idle with no page attached before Voila stops it, and how
+#: often Voila looks
+LAB_KERNEL_IDLE_S, LAB_CULL_INTERVAL_S = 60, 15
 LAB_PORT = 8866
 
 
@@ -309,27 +313,49 @@ def _cmd_report(args) -> None:
 
 
 def _add_lab_parser(sub) -> None:
-    lab = sub.add_parser("lab", help="serve the plan-tuner notebook as an app (Voila) on "
-                         "127.0.0.1, behind a fresh token; prints its URL")
+    lab = sub.add_parser("lab", help="serve the plan tuner as an app (Voila) on 127.0.0.1, "
+                         "behind a fresh token; prints its URL")
     lab.add_argument("--port", type=int, default=LAB_PORT, help=f"port (default {LAB_PORT})")
+    lab.add_argument("--model", default="resnet18", help="zoo model to plan (resnet18)")
+    lab.add_argument("--cluster", default="local-hybrid",
+                     help="shipped cluster or TOML path to plan for (local-hybrid: this "
+                     "machine's emulated V100 + T4, so an exported plan runs here)")
+    lab.add_argument("--root", type=Path, default=Path.cwd(),
+                     help="folder exports are written into (default: the current one)")
     lab.add_argument("--notebook", type=Path, default=LAB_NOTEBOOK,
-                     help=f"notebook to serve (default {LAB_NOTEBOOK})")
+                     help="notebook to serve instead of the lab app (e.g. a tutorial)")
     lab.set_defaults(run=_cmd_lab)
 
 
 def voila_command(notebook: "str | os.PathLike[str]", *, port: int) -> list[str]:
     """The command that serves ``notebook`` with Voila on 127.0.0.1:``port`` (that port or
     none), opening no browser, behind the token in ``$JUPYTER_TOKEN`` (an environment
-    variable: other users of the machine cannot read it from the process list).
+    variable: other users of the machine cannot read it from the process list), stopping
+    the kernel of a closed page once it has been idle :data:`LAB_KERNEL_IDLE_S` seconds.
 
     Example::
 
         >>> voila_command("tuner.ipynb", port=8866)[1:]
         ['-m', 'voila', 'tuner.ipynb', '--no-browser', '--Voila.ip=127.0.0.1',
-         '--Voila.port=8866', '--Voila.port_retries=0', '--Voila.auto_token=True']
+         '--Voila.port=8866', '--Voila.port_retries=0', '--Voila.auto_token=True',
+         '--MappingKernelManager.cull_idle_timeout=60', '--MappingKernelManager.cull_interval=15']
     """
     return [sys.executable, "-m", "voila", str(notebook), "--no-browser", "--Voila.ip=127.0.0.1",
-            f"--Voila.port={port}", "--Voila.port_retries=0", "--Voila.auto_token=True"]
+            f"--Voila.port={port}", "--Voila.port_retries=0", "--Voila.auto_token=True",
+            f"--MappingKernelManager.cull_idle_timeout={LAB_KERNEL_IDLE_S}",
+            f"--MappingKernelManager.cull_interval={LAB_CULL_INTERVAL_S}"]
+
+
+def lab_environment(model: str, cluster: str, root: "str | os.PathLike[str]") -> dict[str, str]:
+    """What the lab app reads: the model, the cluster and the export folder (absolute).
+
+    Example::
+
+        >>> lab_environment("resnet18", "local-hybrid", "/home/me/plans")["QSYNC_LAB_ROOT"]
+        '/home/me/plans'
+    """
+    return {"QSYNC_LAB_MODEL": model, "QSYNC_LAB_CLUSTER": cluster,
+            "QSYNC_LAB_ROOT": str(Path(root).resolve())}
 
 
 def _cmd_lab(args) -> None:
@@ -340,11 +366,14 @@ def _cmd_lab(args) -> None:
     if importlib.util.find_spec("voila") is None:
         raise QSyncError("qsync-lab lab needs voila: pip install -e '.[notebook]' in the "
                          "repository (the notebook extra)")
+    if not args.root.is_dir():
+        raise QSyncError(f"--root {args.root} is not a folder; pass an existing one")
     token = secrets.token_urlsafe(32)
     print(f"serving {args.notebook} at http://127.0.0.1:{args.port}/?token={token} "
-          "(Ctrl-C stops it)", flush=True)
+          f"(exports go to {args.root.resolve()}; Ctrl-C stops it)", flush=True)
     command = voila_command(args.notebook, port=args.port)
-    os.execve(command[0], command, {**os.environ, "JUPYTER_TOKEN": token})
+    os.execve(command[0], command, {**os.environ, "JUPYTER_TOKEN": token,
+                                    **lab_environment(args.model, args.cluster, args.root)})
 
 
 def _key_value(item: str, flag: str, form: str, example: str, convert=str):

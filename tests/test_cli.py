@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qsync_lab.cli import LAB_NOTEBOOK, main, voila_command
+from qsync_lab.cli import LAB_NOTEBOOK, lab_environment, main, voila_command
 
 TINY_NOTEBOOK = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}}, "cells": [{
@@ -340,9 +340,26 @@ def test_lab_builds_a_local_voila_command_without_the_token():
     command = voila_command(Path("tuner.ipynb"), port=8123)
     assert command[:4] == [sys.executable, "-m", "voila", "tuner.ipynb"]
     assert {"--no-browser", "--Voila.ip=127.0.0.1", "--Voila.port=8123",
-            "--Voila.port_retries=0", "--Voila.auto_token=True"} == set(command[4:])
-    assert LAB_NOTEBOOK == Path(__file__).resolve().parents[1] / "notebooks" / \
-        "04_plan_tuner.ipynb"
+            "--Voila.port_retries=0", "--Voila.auto_token=True",
+            "--MappingKernelManager.cull_idle_timeout=60",
+            "--MappingKernelManager.cull_interval=15"} == set(command[4:])
+
+
+def test_the_lab_app_is_the_tuner_panel_alone():
+    """The app notebook builds one tuner from the lab's environment and shows its panel:
+    no tutorial cell changes it, and it is saved without outputs."""
+    notebook = json.loads(LAB_NOTEBOOK.read_text())
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert len(code) == 1 and not code[0]["outputs"]
+    source = "".join(code[0]["source"])
+    assert source.rstrip().endswith("tuner.panel")
+    assert all(f'"{name}"' in source for name in lab_environment("m", "c", ".")), source
+
+
+def test_the_lab_exports_where_it_was_started(tmp_path):
+    env = lab_environment("digits_cnn", "local-hybrid", tmp_path / ".")
+    assert env == {"QSYNC_LAB_MODEL": "digits_cnn", "QSYNC_LAB_CLUSTER": "local-hybrid",
+                   "QSYNC_LAB_ROOT": str(tmp_path.resolve())}
 
 
 def test_lab_without_its_notebook_is_one_line(capsys, tmp_path):

@@ -65,8 +65,11 @@ def plot_timeline(sim, *, ranks: "list[int] | None" = None, color_by: str = "pre
     by_precision = color_by in ("precision", "plan_precision")
     for value, group in events.groupby(color_by, sort=True):
         patterns = group["category"].map(_CATEGORY_PATTERNS).fillna("").tolist()
+        # events with no value of the column (DDP's buffer broadcast has no precision) are
+        # named by their category
+        name = str(value) or "/".join(sorted(set(group["category"])))
         fig.add_trace(go.Bar(
-            name=str(value), orientation="h", base=group["start_us"].to_numpy(),
+            name=name, orientation="h", base=group["start_us"].to_numpy(),
             x=group["dur_us"].to_numpy(), y=group["row"].tolist(),
             marker={"color": PRECISION_COLORS.get(str(value)) if by_precision else None,
                     "pattern_shape": patterns},

@@ -110,8 +110,9 @@ class TunerControls:
         def group(title: str, items) -> widgets.VBox:
             return widgets.VBox([widgets.HTML(f"<b>{title}</b>"), *items])
 
+        # never narrower than its controls: a wide summary beside it wraps instead
         return widgets.VBox([
             group("cluster", [*self.counts.values(), *self.batch_sizes.values()]),
             group("memory budget per rank", self.memory_gib.values()),
             group("plan", [self.throughput, self.strategy, self.compression]),
-        ])
+        ], layout=widgets.Layout(flex="0 0 auto", min_width=_LAYOUT["width"]))

@@ -1,5 +1,6 @@
-"""Export a plan: ``plan.json`` written atomically into a folder inside a root folder, and
-the torchrun command that trains it on the real cluster.
+"""Export a plan: ``plan.json`` written atomically into a folder inside a root folder, the
+torchrun command that trains it on the real cluster and the ``qsync-lab run`` command that
+trains it on this machine.
 
 Example::
 
@@ -18,8 +19,9 @@ from pathlib import Path
 from qsync_lab.errors import QSyncError
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.launch import torchrun_command
+from qsync_lab.runtime.machine import check_devices
 
-__all__ = ["PLAN_NAME", "cluster_commands", "export_plan"]
+__all__ = ["PLAN_NAME", "cluster_commands", "export_plan", "local_command"]
 
 PLAN_NAME = "plan.json"
 RDZV_PORT = 29400
@@ -71,3 +73,26 @@ def cluster_commands(plan_path: "str | os.PathLike[str]", plan: Plan, *,
     if len(set(per_node.values())) == 1:
         return [command(per_node[0])]
     return [f"# {name}\n{command(per_node[node])}" for node, name in enumerate(cluster.node_names)]
+
+
+def local_command(plan_path: "str | os.PathLike[str]", plan: Plan) -> str:
+    """The ``qsync-lab run`` command that trains ``plan_path`` on this machine: with
+    ``--emulate`` where the plan's GPU ranks would need a GPU this machine lacks
+    (:func:`~qsync_lab.runtime.machine.check_devices`).
+
+    Example::
+
+        >>> from qsync_lab.cluster import load_cluster
+        >>> from qsync_lab.plan import RankPlan
+        >>> cluster = load_cluster("local-hybrid")
+        >>> plan = Plan("abc", cluster.definition, tuple(RankPlan(r.rank, r.device, 16)
+        ...             for r in cluster.ranks), {})
+        >>> local_command("/abs/plan.json", plan)
+        'qsync-lab run --plan /abs/plan.json'
+    """
+    try:
+        check_devices(plan.cluster)
+        emulate = []
+    except QSyncError:
+        emulate = ["--emulate"]
+    return shlex.join(["qsync-lab", "run", "--plan", str(plan_path), *emulate])

@@ -43,7 +43,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.study import Study
 from qsync_lab.viz import plot_training
 from qsync_lab.widgets.controls import TunerControls
-from qsync_lab.widgets.export import cluster_commands, export_plan
+from qsync_lab.widgets.export import cluster_commands, export_plan, local_command
 from qsync_lab.widgets.figures import replace_figure
 from qsync_lab.widgets.local_run import LocalRun
 from qsync_lab.widgets.replan import (FIGURES, TunerResult, TunerSettings, compare_result,
@@ -112,7 +112,8 @@ class PlanTuner:
         self.result: TunerResult = replan(self.study, TunerSettings(), variants=self._variants)
         self.controls = TunerControls.for_study(
             self.study, throughput_max=THROUGHPUT_RANGE * self.result.sim.throughput_samples_per_s)
-        self.summary = widgets.HTML(summary_html(self.result))
+        self.summary = widgets.HTML(summary_html(self.result),
+                                    layout=widgets.Layout(flex="1 1 auto", min_width="0"))
         for control in self.controls.all():
             control.observe(self._replan, names="value")
         self.compare_button = widgets.Button(description="Compare strategies", icon="refresh")
@@ -208,17 +209,18 @@ class PlanTuner:
         self.comparison_status.value = status
 
     def _export(self, _button=None) -> None:
-        """Write the shown plan into the export folder and show the cluster's command."""
+        """Write the shown plan into the export folder and show the commands that train it:
+        on the plan's cluster, and on this machine."""
         try:
             path = export_plan(self.result.plan, self.root, self.export_folder.value)
         except QSyncError as err:
             self.export_status.value = error_html(str(err), None)
             return
-        shown = path.relative_to(self.root.resolve())  # export_plan keeps it inside root
-        commands = "\n".join(cluster_commands(shown, self.result.plan))
-        self.export_status.value = (f"wrote <code>{html.escape(str(shown))}</code> in the "
-                                    f"tuner's root folder; on the cluster, from that folder:"
-                                    f"<pre>{html.escape(commands)}</pre>")
+        commands = "\n".join(cluster_commands(path, self.result.plan))
+        here = local_command(path, self.result.plan)
+        self.export_status.value = (f"wrote <code>{html.escape(str(path))}</code>; on the "
+                                    f"plan's cluster:<pre>{html.escape(commands)}</pre>on this "
+                                    f"machine:<pre>{html.escape(here)}</pre>")
 
     def _start_run(self, _button=None) -> None:
         """Train the shown plan on this machine in the background, drawn live."""

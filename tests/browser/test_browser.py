@@ -7,28 +7,34 @@ missing (``.ci/run`` installs chromium and its driver with apt-get where it can)
 """
 
 import importlib.util
+import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from qsync_lab.cli import LAB_NOTEBOOK, voila_command
+from qsync_lab.cli import LAB_NOTEBOOK, lab_environment, voila_command
 from qsync_lab.report import write_report
 from qsync_lab.study import Study
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-SCREENSHOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "browser_tuner.png"
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "benchmarks" / "results" / "browser_tuner.png"
+TUTORIAL = ROOT / "notebooks" / "04_plan_tuner.ipynb"
 LISTEN_S = 60
 NOTEBOOK_DONE_S = 240  # Voila runs the whole notebook (the study's first plan) first
 REDRAW_S = 60
 RENDER_S = 30
 STOP_S = 30
+RUN_S = 300
 T4_MEMORY = "T4 memory (GiB)"
 
 
@@ -58,16 +64,15 @@ def browser():
     driver.quit()
 
 
-@pytest.fixture
-def tuner_url(tmp_path):
-    """``qsync-lab lab``'s Voila serving the tuner notebook, behind a fresh token; stopped
+def _serve(notebook: Path, tmp_path: Path, env: dict[str, str]):
+    """Voila serving ``notebook`` as ``qsync-lab lab`` does, behind a fresh token; stopped
     (its kernel too) after the test."""
     token = secrets.token_urlsafe(16)
     port = _free_port()
     with open(tmp_path / "voila.log", "w") as log:
-        server = subprocess.Popen(voila_command(LAB_NOTEBOOK, port=port), stdout=log,
+        server = subprocess.Popen(voila_command(notebook, port=port), stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "JUPYTER_TOKEN": token})
+                                  env={**os.environ, "JUPYTER_TOKEN": token, **env})
     _wait_listening(server, port, tmp_path / "voila.log")
     yield f"http://127.0.0.1:{port}/?token={token}"
     os.killpg(server.pid, signal.SIGTERM)  # Voila shuts its kernel down
@@ -78,23 +83,54 @@ def tuner_url(tmp_path):
         server.wait()
 
 
-def test_moving_the_memory_slider_replans_and_redraws(browser, tuner_url, tmp_path):
-    browser.get(tuner_url)
-    WebDriverWait(browser, NOTEBOOK_DONE_S).until(
-        lambda d: "paper_plan/plan.json" in d.find_element(By.TAG_NAME, "body").text
-        and _summary(d) and _timeline_svg(d))
-    summary, timeline = _summary(browser), _timeline_svg(browser)
-    before = summary.text, timeline.get_attribute("innerHTML")
-    assert "/ 1.00 GiB" in before[0]  # the notebook set the T4 budget to 1 GiB
+@pytest.fixture
+def lab_url(tmp_path):
+    """The lab app (``qsync-lab lab --model digits_cnn``), exporting into ``tmp_path``."""
+    yield from _serve(LAB_NOTEBOOK, tmp_path,
+                      lab_environment("digits_cnn", "local-hybrid", tmp_path))
+
+
+@pytest.fixture
+def tuner_url(tmp_path):
+    """Tutorial 04, whose cells drive the tuner and save a plain figure."""
+    yield from _serve(TUTORIAL, tmp_path, {})
+
+
+def test_a_newcomer_moves_a_slider_exports_and_trains_the_plan(browser, lab_url, tmp_path):
+    """Open the lab, lower the T4 budget, export, and train the export with the command the
+    lab shows: a summary line predicted for this machine. The page logs no error."""
+    browser.get(lab_url)
+    WebDriverWait(browser, NOTEBOOK_DONE_S).until(lambda d: _summary(d) and _timeline_svg(d))
+    summary = _summary(browser)
     readout = _slider(browser, T4_MEMORY).find_element(By.CSS_SELECTOR, ".widget-readout")
     readout.click()
     readout.send_keys(Keys.CONTROL, "a")
-    readout.send_keys("16", Keys.ENTER)
-    WebDriverWait(browser, REDRAW_S).until(
-        lambda d: "/ 16.00 GiB" in summary.text
-        and timeline.get_attribute("innerHTML") != before[1])
-    assert summary.text != before[0] and "still showing" not in summary.text
+    readout.send_keys("1", Keys.ENTER)
+    WebDriverWait(browser, REDRAW_S).until(lambda d: "T4 1 GiB" in summary.text)
+    assert "/ 1.00 GiB" in summary.text
+    _assert_nothing_clipped(browser)
     _screenshot(browser, tmp_path / "tuner.png", also=os.environ.get("QSYNC_LAB_SCREENSHOTS"))
+    next(t for t in browser.find_elements(By.CSS_SELECTOR, ".lm-TabBar-tab")
+         if t.text == "export").click()
+    next(b for b in browser.find_elements(By.TAG_NAME, "button")
+         if b.text == "Export plan").click()
+    path = tmp_path / "qsync_export" / "plan.json"
+    status = WebDriverWait(browser, RENDER_S).until(
+        lambda d: next((h for h in d.find_elements(By.CSS_SELECTOR, ".widget-html")
+                        if f"wrote {path}" in h.text), None))
+    command = status.find_elements(By.TAG_NAME, "pre")[-1].text
+    assert shlex.split(command) == ["qsync-lab", "run", "--plan", str(path)]
+    done = subprocess.run([sys.executable, "-m", "qsync_lab", *shlex.split(command)[1:],
+                           "--steps", "4", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=RUN_S, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary_file = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary_file["emulating"] and "1 GiB" in summary_file["plan_made_under"]
+    assert "predicted" in done.stdout
+    # Voila's page template links Font Awesome from a CDN, which never arrives offline
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
+              and "fontawesome" not in e["message"]]
+    assert not errors, errors
 
 
 def test_a_figure_saved_as_plotly_json_is_drawn(browser, tuner_url):
@@ -119,6 +155,18 @@ def test_the_report_renders_every_figure_offline(browser, tmp_path):
     WebDriverWait(browser, RENDER_S).until(lambda d: drawn(d) == figures)
     assert figures == 5  # timeline, memory, precision map, strategies, indicator
     _screenshot(browser, tmp_path / "report.png")
+
+
+def _assert_nothing_clipped(browser) -> None:
+    """No control of the panel is cut: every widget of the controls column fits inside it,
+    and no group of them scrolls sideways."""
+    clipped = browser.execute_script("""
+        const out = [];
+        for (const el of document.querySelectorAll('.widget-vbox, .widget-hbox')) {
+            if (el.scrollWidth > el.clientWidth + 1) out.push(el.className);
+        }
+        return out;""")
+    assert not clipped, f"containers that scroll sideways: {clipped}"
 
 
 def _slider(browser, label: str):

@@ -52,3 +52,14 @@ def test_idle_gaps_add_up_to_the_simulators_idle_time_between_the_events(sim):
         for a, b in zip(start, start + dur):  # no gap overlaps an event
             assert not np.any((events["start_us"] < b - 1e-9)
                               & (events["start_us"] + events["dur_us"] > a + 1e-9))
+
+
+def test_every_legend_entry_has_a_name():
+    """DDP's buffer broadcast (a BatchNorm model) has no precision: its bars are named by
+    their category, not left as an unnamed first legend entry."""
+    from qsync_lab import Study
+
+    study = Study("digits_cnn", cluster="local-hybrid", progress=False)
+    fig = plot_timeline(study.simulate(study.plan()))
+    names = [trace.name for trace in fig.data]
+    assert all(names) and "broadcast" in names, names

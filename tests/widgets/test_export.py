@@ -15,13 +15,25 @@ def test_export_writes_a_plan_that_loads_and_shows_the_clusters_command(tuner, s
     assert Plan.load(path, graph=study.graph) == tuner.result.plan
     assert not list(path.parent.glob(".*.tmp"))
     status = tuner.export_status.value
-    assert "<code>plans/uniform/plan.json</code> in the tuner's root folder" in status
-    assert str(tmp_path) not in status  # the same text wherever the root lies
-    command = shlex.split(status.split("<pre>")[1].split("</pre>")[0])
-    assert command[0] == "torchrun" and command[-2:] == ["--plan", "plans/uniform/plan.json"]
+    assert f"wrote <code>{path}</code>" in status  # absolute: findable wherever the root is
+    command, here = (shlex.split(part.split("</pre>")[0]) for part in status.split("<pre>")[1:])
+    assert command[0] == "torchrun" and command[-2:] == ["--plan", str(path)]
     assert {"--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
             "--rdzv-endpoint=HOST:29400"} <= set(command)
     assert command[command.index("-m") + 1] == "qsync_lab.runtime"
+    # the tuner's cluster is local-hybrid, whose ranks this machine emulates
+    assert here == ["qsync-lab", "run", "--plan", str(path)]
+
+
+def test_a_plan_for_gpus_this_machine_lacks_exports_with_emulate(monkeypatch, tmp_path):
+    from qsync_lab.runtime import machine
+    from qsync_lab.widgets.export import local_command
+
+    monkeypatch.setattr(machine, "cuda_here", lambda: False)
+    cluster = load_cluster("v100-t4-small")
+    plan = Plan("abc", cluster.definition, tuple(RankPlan(r.rank, r.device, 32)
+                                                 for r in cluster.ranks), {})
+    assert local_command(tmp_path / "p.json", plan).endswith("--emulate")
 
 
 def test_the_exported_plan_records_the_constraints_the_summary_shows(tuner, study, tmp_path):
