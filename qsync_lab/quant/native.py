@@ -224,6 +224,17 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _linear_output(ctx, out: torch.Tensor, x, weight, bias, saved: tuple,
+                   backward: Precision) -> torch.Tensor:
+    """A quantized linear's 2-d fp32 product plus its bias, in x's leading shape; ``saved``
+    (codes and scales) kept for the backward."""
+    if bias is not None:
+        out = out.add_(bias.float())
+    ctx.save_for_backward(*saved)
+    _remember(ctx, x, weight, bias, LinearKernel(), backward)
+    return out.reshape(*x.shape[:-1], -1)
+
+
 class _NativeInt8Linear(torch.autograd.Function):
     """``F.linear`` as int8 x int8 -> int32 (``torch._int_mm``), backward in a float."""
 
@@ -235,11 +246,8 @@ class _NativeInt8Linear(torch.autograd.Function):
         x_codes, w_codes = _int8_codes(x2, x_scale), _int8_codes(weight, w_scale)
         out = torch._int_mm(x_codes, w_codes.t().contiguous()).float()
         out = out.mul_(x_scale * w_scale.reshape(1, -1) if per_row else x_scale * w_scale)
-        if bias is not None:
-            out = out.add_(bias.float())
-        ctx.save_for_backward(x_codes, x_scale, w_codes, w_scale)
-        _remember(ctx, x, weight, bias, LinearKernel(), backward)
-        return out.reshape(*x.shape[:-1], -1)
+        return _linear_output(ctx, out, x, weight, bias, (x_codes, x_scale, w_codes, w_scale),
+                              backward)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -259,11 +267,7 @@ class _NativeFp8Linear(torch.autograd.Function):
         x8, x_scale = _fp8_values(x2, Precision.FP8_E4M3)
         w8, w_scale = _fp8_values(weight, Precision.FP8_E4M3)
         out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=torch.float32)
-        if bias is not None:
-            out = out.add_(bias.float())
-        ctx.save_for_backward(x8, x_scale, w8, w_scale)
-        _remember(ctx, x, weight, bias, LinearKernel(), backward)
-        return out.reshape(*x.shape[:-1], -1)
+        return _linear_output(ctx, out, x, weight, bias, (x8, x_scale, w8, w_scale), backward)
 
     @staticmethod
     def backward(ctx, grad_out):
