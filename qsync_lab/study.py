@@ -128,16 +128,19 @@ class Study:
 
     def indicator(self, precisions: Sequence["Precision | str"] | None = None) -> pd.DataFrame:
         """The sensitivity indicator per op and precision (default: the cluster's low
-        precisions), computed once per set of precisions."""
+        precisions), computed once per set of precisions and kept on disk for the same
+        model, batches and software (:mod:`qsync_lab.indicator.cache`)."""
         from qsync_lab.indicator import indicator
+        from qsync_lab.indicator.cache import cached_indicator, indicator_key
 
         wanted = tuple(sorted({Precision.parse(p) for p in (precisions or self.low_precisions)},
                               key=list(Precision).index))
         if wanted not in self._indicators:
             batches = [self._batch(seed=s) for s in range(self.calibration_batches)]
-            self._indicators[wanted] = indicator(
+            key = indicator_key(self.model, self.graph, batches, self.loss_fn, wanted)
+            self._indicators[wanted] = cached_indicator(key, lambda: indicator(
                 self.model, self.graph, batches, loss_fn=self.loss_fn, precisions=wanted,
-                num_batches=len(batches), progress=self.progress)
+                num_batches=len(batches), progress=self.progress))
         return self._indicators[wanted]
 
     def plan(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
