@@ -88,7 +88,8 @@ def plot_comparison(table: pd.DataFrame, *, title: str | None = None) -> go.Figu
                         subplot_titles=["predicted throughput (samples/s)",
                                         *(label for _, label in _PER_KIND_PANELS)])
     fig.add_trace(go.Bar(
-        name="throughput", x=strategies, y=table["throughput_samples_per_s"].tolist(),
+        name="throughput", showlegend=False,  # the legend names the device kinds
+        x=strategies, y=table["throughput_samples_per_s"].tolist(),
         text=["" if ok else "below target" for ok in table["meets_target"]],
         customdata=table[["iteration_ms", "indicator_sum", "compression"]].to_numpy(),
         hovertemplate="%{x}: %{y:.1f} samples/s, %{customdata[0]:.2f} ms<br>indicator "

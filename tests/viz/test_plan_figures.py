@@ -61,6 +61,8 @@ def test_comparison_bars_are_the_tables_columns(table):
     assert list(throughput.y) == table["throughput_samples_per_s"].tolist()
     assert list(throughput.text) == ["" if ok else "below target" for ok in table["meets_target"]]
     assert [row[2] for row in throughput.customdata] == table["compression"].tolist()
+    # the "device kind" legend lists the kinds only
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["V100-SXM2-32GB", "T4"]
     kinds = ["V100-SXM2-32GB", "T4"]
     assert [(t.name, t.yaxis) for t in per_kind] == [(k, "y2") for k in kinds] + [
         (k, "y3") for k in kinds]
