@@ -234,10 +234,12 @@ class _Run:
                          seed=self.config.seed, **kwargs)
 
     def _profile_model(self) -> str | None:
-        """The profile of a user model's ops, timed before it trains for the prediction
-        (cached; :mod:`qsync_lab.profile.model_cache`); None when profiles were given or the
-        ranks run on CUDA (whose in-step times the host clock cannot read)."""
-        if self.task.model_name or self.config.profiles or self.cuda:
+        """The profile of the model's ops on this machine, timed before it trains for the
+        prediction (cached; :mod:`qsync_lab.profile.model_cache`): a zoo model too, as the
+        shipped profile was measured on another day's machine. None when profiles were
+        given or the ranks run on CUDA (profile a GPU with ``qsync-lab profile --device
+        cuda`` and pass it)."""
+        if self.config.profiles or self.cuda:
             return None
         from qsync_lab.profile.model_cache import ranks_profile_model
 
