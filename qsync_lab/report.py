@@ -45,7 +45,7 @@ INDICATOR_TOP_OPS = 30
 _STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1400px}"
           "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
           "th,td{border:1px solid #ccc;padding:0.2em 0.6em;text-align:right}"
-          "th{background:#f3f3f3}")
+          "th{background:#f3f3f3;max-width:9em;overflow-wrap:anywhere}")  # long headers wrap
 
 
 def write_report(plan: "Plan | str | os.PathLike[str]", out: "str | os.PathLike[str]", *,
@@ -256,8 +256,15 @@ def _table(heading: str, frame: pd.DataFrame, *, header: bool = True) -> str:
 
 
 def _number(value: float) -> str:
-    """Three decimals, or three significant digits below 1: ``0.258``, ``0.00134``."""
-    return f"{value:,.3f}" if abs(value) >= 1 else f"{value:.3g}"
+    """Three decimals, or three significant digits below 0.1 (so a column of GiB reads
+    ``1.000`` beside ``1.117``, never ``1``).
+
+    Example::
+
+        >>> [_number(x) for x in (1234.5, 0.99999, 0.258, 0.00134)]
+        ['1,234.500', '1.000', '0.258', '0.00134']
+    """
+    return f"{value:,.3f}" if abs(value) >= 0.1 else f"{value:.3g}"
 
 
 def _page(title: str, body: str) -> str:

@@ -154,6 +154,10 @@ def test_the_report_renders_every_figure_offline(browser, tmp_path):
 
     WebDriverWait(browser, RENDER_S).until(lambda d: drawn(d) == figures)
     assert figures == 5  # timeline, memory, precision map, strategies, indicator
+    browser.set_window_size(1280, 1000)  # the strategies table's long headers wrap to fit
+    widest = browser.execute_script("return Math.max(...[...document.querySelectorAll("
+                                    "'table')].map(t => t.getBoundingClientRect().right))")
+    assert widest <= browser.execute_script("return window.innerWidth")
     _screenshot(browser, tmp_path / "report.png")
 
 
