@@ -88,7 +88,9 @@ def plot_timeline(sim, *, ranks: "list[int] | None" = None, color_by: str = "pre
         barmode="overlay", title=title or f"one iteration: {sim.iteration_us / 1e3:.2f} ms",
         xaxis={"title": "time (us)", "type": "linear"},
         yaxis={"categoryorder": "array", "categoryarray": row_order[::-1]},
-        legend_title=color_by, height=max(_MIN_HEIGHT_PX, _ROW_HEIGHT_PX * len(row_order) + 150))
+        # a legend row under the axis: beside a few rows a vertical legend scrolls
+        legend={"title": color_by, "orientation": "h", "yanchor": "top", "y": -0.3},
+        height=max(_MIN_HEIGHT_PX, _ROW_HEIGHT_PX * len(row_order) + 190))
     return fig
 
 

@@ -63,3 +63,4 @@ def test_every_legend_entry_has_a_name():
     fig = plot_timeline(study.simulate(study.plan()))
     names = [trace.name for trace in fig.data]
     assert all(names) and "broadcast" in names, names
+    assert fig.layout.legend.orientation == "h"  # one row under the axis, never scrolled
