@@ -10,6 +10,7 @@ from qsync_lab.viz.common import rank_label, selected_ranks
 
 __all__ = ["plot_memory"]
 
+_FAR_LIMIT = 3.0  # a limit over 3x the bars (or the smallest limit) is off the axis
 _LIMIT_MARKER = {"symbol": "line-ew", "size": 40, "line": {"width": 3, "color": "black"}}
 
 
@@ -55,4 +56,18 @@ def plot_memory(sim, cluster, *, memory_gib: Mapping[str, float] | None = None,
                              marker=_LIMIT_MARKER, hovertemplate="%{x}: limit %{y:.1f} GiB"))
     fig.update_layout(barmode="stack", title=title or "simulated peak memory per rank",
                       xaxis_title="rank", yaxis_title="GiB", legend_title="component")
+    _scale_to_budget(fig, labels, float(used_gib.sum(axis=1).max()), limit_gib)
     return fig
+
+
+def _scale_to_budget(fig: go.Figure, labels: list[str], used_gib: float,
+                     limit_gib: list[float]) -> None:
+    """Scale the axis to the bars and the limits near them (a 1 GiB budget beside a 32 GiB
+    card would leave its bars flat); a limit above the axis is written at its top."""
+    near = [g for g in limit_gib if g <= _FAR_LIMIT * max(used_gib, min(limit_gib))]
+    top = 1.15 * max(used_gib, *near)
+    fig.update_yaxes(range=[0, top])
+    for label, gib in zip(labels, limit_gib):
+        if gib > top:
+            fig.add_annotation(x=label, y=top, yanchor="top", showarrow=False,
+                               text=f"limit {gib:g} GiB ↑")

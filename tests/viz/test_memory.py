@@ -38,3 +38,12 @@ def test_bad_input_raises_one_line_errors(sim, cluster):
         plot_memory(sim, cluster, ranks=[2])
     with pytest.raises(QSyncError, match="memory budget for A100"):
         plot_memory(sim, cluster, memory_gib={"a100-sxm4-80gb": 8})
+
+
+def test_the_axis_scales_to_a_tight_budget_and_names_the_limits_above_it(sim, cluster):
+    used = float(sim.tensor_peak_bytes.max() / GIB)
+    fig = plot_memory(sim, cluster, memory_gib={"T4": used * 1.5})
+    assert fig.layout.yaxis.range[1] == pytest.approx(1.15 * used * 1.5)
+    assert [a.text for a in fig.layout.annotations] == ["limit 32 GiB ↑"]  # the V100's
+    loose = plot_memory(sim, cluster)  # 16 and 32 GiB: both on the axis
+    assert loose.layout.yaxis.range[1] == pytest.approx(1.15 * 32) and not loose.layout.annotations
