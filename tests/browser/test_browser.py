@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from qsync_lab.cli import LAB_NOTEBOOK, lab_environment, voila_command
+from qsync_lab.cli import (LAB_CULL_INTERVAL_S, LAB_KERNEL_IDLE_S, LAB_NOTEBOOK,
+                           lab_environment, voila_command)
 from qsync_lab.report import write_report
 from qsync_lab.study import Study
 
@@ -65,8 +66,8 @@ def browser():
 
 
 def _serve(notebook: Path, tmp_path: Path, env: dict[str, str]):
-    """Voila serving ``notebook`` as ``qsync-lab lab`` does, behind a fresh token; stopped
-    (its kernel too) after the test."""
+    """Voila serving ``notebook`` as ``qsync-lab lab`` does, behind a fresh token: (URL,
+    server pid); stopped (its kernels too) after the test."""
     token = secrets.token_urlsafe(16)
     port = _free_port()
     with open(tmp_path / "voila.log", "w") as log:
@@ -74,7 +75,7 @@ def _serve(notebook: Path, tmp_path: Path, env: dict[str, str]):
                                   stderr=subprocess.STDOUT, start_new_session=True,
                                   env={**os.environ, "JUPYTER_TOKEN": token, **env})
     _wait_listening(server, port, tmp_path / "voila.log")
-    yield f"http://127.0.0.1:{port}/?token={token}"
+    yield f"http://127.0.0.1:{port}/?token={token}", server.pid
     os.killpg(server.pid, signal.SIGTERM)  # Voila shuts its kernel down
     try:
         server.wait(STOP_S)
@@ -99,7 +100,7 @@ def tuner_url(tmp_path):
 def test_a_newcomer_moves_a_slider_exports_and_trains_the_plan(browser, lab_url, tmp_path):
     """Open the lab, lower the T4 budget, export, and train the export with the command the
     lab shows: a summary line predicted for this machine. The page logs no error."""
-    browser.get(lab_url)
+    browser.get(lab_url[0])
     WebDriverWait(browser, NOTEBOOK_DONE_S).until(lambda d: _summary(d) and _timeline_svg(d))
     summary = _summary(browser)
     readout = _slider(browser, T4_MEMORY).find_element(By.CSS_SELECTOR, ".widget-readout")
@@ -133,10 +134,28 @@ def test_a_newcomer_moves_a_slider_exports_and_trains_the_plan(browser, lab_url,
     assert not errors, errors
 
 
+def test_the_kernel_of_a_closed_page_is_stopped_and_the_open_ones_kept(browser, lab_url):
+    """Two pages of the lab, one closed: Voila culls its idle kernel, the other stays."""
+    url, server = lab_url
+    browser.get(url)
+    WebDriverWait(browser, NOTEBOOK_DONE_S).until(lambda d: _summary(d))
+    first = browser.current_window_handle
+    browser.switch_to.new_window("tab")
+    browser.get(url)
+    WebDriverWait(browser, NOTEBOOK_DONE_S).until(lambda d: _summary(d))
+    assert len(_kernels(server)) == 2
+    browser.close()
+    browser.switch_to.window(first)
+    deadline = time.monotonic() + LAB_KERNEL_IDLE_S + 4 * LAB_CULL_INTERVAL_S
+    while len(_kernels(server)) > 1 and time.monotonic() < deadline:
+        time.sleep(2)
+    assert len(_kernels(server)) == 1 and _summary(browser)
+
+
 def test_a_figure_saved_as_plotly_json_is_drawn(browser, tuner_url):
     """The notebook's plain figure (a ``plotly_mimetype`` output, as every tutorial notebook
     saves its figures) is drawn by the plotly renderer Voila loads, not by a kernel widget."""
-    browser.get(tuner_url)
+    browser.get(tuner_url[0])
     WebDriverWait(browser, NOTEBOOK_DONE_S).until(lambda d: _output_figures(d))
     bars = _output_figures(browser)[0].find_elements(By.CSS_SELECTOR, "g.trace.bars, g.point")
     assert bars, "the timeline figure was drawn without bars"
@@ -159,6 +178,14 @@ def test_the_report_renders_every_figure_offline(browser, tmp_path):
                                     "'table')].map(t => t.getBoundingClientRect().right))")
     assert widest <= browser.execute_script("return window.innerWidth")
     _screenshot(browser, tmp_path / "report.png")
+
+
+def _kernels(server: int) -> list:
+    """The kernel processes Voila (pid ``server``) runs."""
+    import psutil
+
+    return [p for p in psutil.Process(server).children(recursive=True)
+            if "ipykernel" in " ".join(p.cmdline())]
 
 
 def _assert_nothing_clipped(browser) -> None:
