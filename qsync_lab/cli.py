@@ -31,6 +31,7 @@ LAB_NOTEBOOK = Path(str(data_file("lab.ipynb")))  # the lab app: the tuner's pan
 #: seconds a lab kernel may sit idle with no page attached before Voila stops it, and how
 #: often Voila looks
 LAB_KERNEL_IDLE_S, LAB_CULL_INTERVAL_S = 60, 15
+LAB_TEMPLATE = "qsync"  # data/voila/templates/qsync
 LAB_PORT = 8866
 
 
@@ -331,31 +332,38 @@ def voila_command(notebook: "str | os.PathLike[str]", *, port: int) -> list[str]
     """The command that serves ``notebook`` with Voila on 127.0.0.1:``port`` (that port or
     none), opening no browser, behind the token in ``$JUPYTER_TOKEN`` (an environment
     variable: other users of the machine cannot read it from the process list), stopping
-    the kernel of a closed page once it has been idle :data:`LAB_KERNEL_IDLE_S` seconds.
+    the kernel of a closed page once it has been idle :data:`LAB_KERNEL_IDLE_S` seconds, in
+    the shipped page template (Voila's lab page without its stylesheets from a CDN; Voila
+    finds it through :func:`lab_environment`'s ``JUPYTER_PATH``).
 
     Example::
 
         >>> voila_command("tuner.ipynb", port=8866)[1:]
         ['-m', 'voila', 'tuner.ipynb', '--no-browser', '--Voila.ip=127.0.0.1',
          '--Voila.port=8866', '--Voila.port_retries=0', '--Voila.auto_token=True',
-         '--MappingKernelManager.cull_idle_timeout=60', '--MappingKernelManager.cull_interval=15']
+         '--MappingKernelManager.cull_idle_timeout=60', '--MappingKernelManager.cull_interval=15',
+         '--template=qsync']
     """
     return [sys.executable, "-m", "voila", str(notebook), "--no-browser", "--Voila.ip=127.0.0.1",
             f"--Voila.port={port}", "--Voila.port_retries=0", "--Voila.auto_token=True",
             f"--MappingKernelManager.cull_idle_timeout={LAB_KERNEL_IDLE_S}",
-            f"--MappingKernelManager.cull_interval={LAB_CULL_INTERVAL_S}"]
+            f"--MappingKernelManager.cull_interval={LAB_CULL_INTERVAL_S}",
+            f"--template={LAB_TEMPLATE}"]
 
 
 def lab_environment(model: str, cluster: str, root: "str | os.PathLike[str]") -> dict[str, str]:
-    """What the lab app reads: the model, the cluster and the export folder (absolute).
+    """What the lab app reads (the model, the cluster and the export folder, absolute) and
+    where Voila finds the lab's page template.
 
     Example::
 
         >>> lab_environment("resnet18", "local-hybrid", "/home/me/plans")["QSYNC_LAB_ROOT"]
         '/home/me/plans'
     """
+    templates = str(Path(str(data_file("voila"))).parent)
+    paths = os.pathsep.join(filter(None, (templates, os.environ.get("JUPYTER_PATH"))))
     return {"QSYNC_LAB_MODEL": model, "QSYNC_LAB_CLUSTER": cluster,
-            "QSYNC_LAB_ROOT": str(Path(root).resolve())}
+            "QSYNC_LAB_ROOT": str(Path(root).resolve()), "JUPYTER_PATH": paths}
 
 
 def _cmd_lab(args) -> None:

@@ -342,7 +342,7 @@ def test_lab_builds_a_local_voila_command_without_the_token():
     assert {"--no-browser", "--Voila.ip=127.0.0.1", "--Voila.port=8123",
             "--Voila.port_retries=0", "--Voila.auto_token=True",
             "--MappingKernelManager.cull_idle_timeout=60",
-            "--MappingKernelManager.cull_interval=15"} == set(command[4:])
+            "--MappingKernelManager.cull_interval=15", "--template=qsync"} == set(command[4:])
 
 
 def test_the_lab_app_is_the_tuner_panel_alone():
@@ -353,13 +353,18 @@ def test_the_lab_app_is_the_tuner_panel_alone():
     assert len(code) == 1 and not code[0]["outputs"]
     source = "".join(code[0]["source"])
     assert source.rstrip().endswith("tuner.panel")
-    assert all(f'"{name}"' in source for name in lab_environment("m", "c", ".")), source
+    read = [name for name in lab_environment("m", "c", ".") if name.startswith("QSYNC_LAB_")]
+    assert len(read) == 3 and all(f'"{name}"' in source for name in read), source
 
 
 def test_the_lab_exports_where_it_was_started(tmp_path):
     env = lab_environment("digits_cnn", "local-hybrid", tmp_path / ".")
-    assert env == {"QSYNC_LAB_MODEL": "digits_cnn", "QSYNC_LAB_CLUSTER": "local-hybrid",
-                   "QSYNC_LAB_ROOT": str(tmp_path.resolve())}
+    assert {k: env[k] for k in ("QSYNC_LAB_MODEL", "QSYNC_LAB_CLUSTER", "QSYNC_LAB_ROOT")} == {
+        "QSYNC_LAB_MODEL": "digits_cnn", "QSYNC_LAB_CLUSTER": "local-hybrid",
+        "QSYNC_LAB_ROOT": str(tmp_path.resolve())}
+    # Voila finds the lab's page template on JUPYTER_PATH
+    template = env["JUPYTER_PATH"].split(os.pathsep)[0]
+    assert (Path(template) / "voila" / "templates" / "qsync" / "index.html.j2").is_file()
 
 
 def test_lab_without_its_notebook_is_one_line(capsys, tmp_path):
