@@ -352,7 +352,7 @@ def test_the_lab_app_is_the_tuner_panel_alone():
     code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
     assert len(code) == 1 and not code[0]["outputs"]
     source = "".join(code[0]["source"])
-    assert source.rstrip().endswith("tuner.panel")
+    assert source.rstrip().endswith("shown.update(tuner.panel)")  # after a line at once
     read = [name for name in lab_environment("m", "c", ".") if name.startswith("QSYNC_LAB_")]
     assert len(read) == 3 and all(f'"{name}"' in source for name in read), source
 
