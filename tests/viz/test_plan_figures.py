@@ -78,3 +78,16 @@ def test_a_table_without_the_comparison_columns_is_refused(table):
     with pytest.raises(QSyncError, match="tensor_peak_gib"):
         plot_comparison(pd.DataFrame({c: [] for c in table.columns
                                       if not c.startswith("tensor_peak_gib")}))
+
+
+def test_the_indicator_figure_draws_the_risk_the_allocator_minimises():
+    from qsync_lab import Study
+    from qsync_lab.viz import plot_indicator
+
+    scores = Study("digits_mlp", cluster="local-hybrid", progress=False).indicator()
+    (bars,) = plot_indicator(scores, "int8", top=3).data
+    top3 = scores[("int8", "risk")].sort_values(ascending=False)[:3]
+    assert bars.name == "risk" and list(bars.x) == list(top3.index)
+    assert list(bars.y) == top3.tolist()
+    with pytest.raises(QSyncError, match="value must be 'risk' or 'omega'"):
+        plot_indicator(scores, "int8", value="fisher")

@@ -27,7 +27,7 @@ def test_a_replan_is_the_studys_plan_and_simulation_drawn(study):
 
 def test_the_indicator_draws_the_ops_scored_at_the_lowest_precision(study):
     figure = replan(study, TunerSettings()).figures["indicator"]
-    scores = study.indicator()["int8", "omega"]
+    scores = study.indicator()["int8", "risk"]
     assert set(figure.data[0].x) == set(scores.dropna().index) != set(scores.index)
     assert all(math.isfinite(y) for bars in figure.data for y in bars.y)
 
