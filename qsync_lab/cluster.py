@@ -152,6 +152,30 @@ class Cluster:
         """
         return self.catalog.device(self._rank(rank).device)
 
+    def ring_links(self) -> list[LinkSpec]:
+        """The links between ring neighbours (ranks in rank order, wrapping): the intra-node
+        link of each node whose ranks neighbour each other, and the inter-node link once if
+        the ring crosses nodes; a ring allreduce runs at the slowest of them.
+
+        Example::
+
+            >>> [link.name for link in load_cluster("qsync-paper").ring_links()]
+            ['nvlink2', 'nvlink2', 'pcie3_x16', 'pcie3_x16', 'eth_100g']
+
+        Raises:
+            QSyncError: several nodes and no ``inter_node_link``.
+        """
+        nodes = [r.node for r in self.ranks]
+        following = nodes[1:] + nodes[:1]
+        links = [self.intra_node_links[node]
+                 for node in sorted({a for a, b in zip(nodes, following) if a == b})]
+        if any(a != b for a, b in zip(nodes, following)):
+            if self.inter_node_link is None:
+                raise QSyncError(f"cluster {self.name!r} has several nodes but no "
+                                 "inter_node_link; set one")
+            links.append(self.inter_node_link)
+        return links
+
     def link_between(self, rank_a: int, rank_b: int) -> LinkSpec:
         """The intra-node link of their node if both ranks share one, else the inter-node link.
 

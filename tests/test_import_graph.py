@@ -1,5 +1,5 @@
-"""The package's layering: no import cycles between subpackages, ``import qsync_lab`` light,
-every subpackage packaged."""
+"""The package's layering: no import cycles between subpackages or between modules,
+``import qsync_lab`` light, every subpackage packaged."""
 
 import ast
 import subprocess
@@ -40,6 +40,27 @@ def _import_graph() -> dict[str, set[str]]:
     return edges
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``from a.b import c`` is ``a.b.c`` when that
+    is a module, else ``a.b``); a module's own parent packages are left out, as Python has
+    imported them before the module runs."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = defaultdict(set)
+    for source, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t if t in modules else node.module for t in names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges[source].update(t for t in targets if t in modules and t != source
+                                 and not source.startswith(t + "."))
+    return edges
+
+
 def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -64,6 +85,12 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_subpackages_import_each_other_without_cycles():
     edges = _import_graph()
+    assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+
+
+def test_modules_import_each_other_without_cycles():
+    edges = _module_graph()
+    assert edges["qsync_lab.simulate.evaluator"]  # the graph sees module imports
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
 
 

@@ -72,15 +72,14 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
 
     Args:
         settings: compression settings (a spec, a mapping, or None: plain fp32 allreduce).
-        links: the ring's links (default: :func:`~qsync_lab.simulate.evaluator.ring_links`).
+        links: the ring's links (default: :meth:`~qsync_lab.cluster.Cluster.ring_links`).
     """
     from qsync_lab.compress.hook import bucket_groups, method_module
-    from qsync_lab.simulate.evaluator import ring_links
 
     world = cluster.world_size
     if world == 1:
         return []
-    links = links if links is not None else ring_links(cluster)
+    links = links if links is not None else cluster.ring_links()
     settings = CompressionSettings.parse(settings)
     if not settings:
         return [BucketComm(costs.allreduce_time_us(size, world, links),

@@ -43,12 +43,9 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import numpy as np
 
 from qsync_lab.cluster import Cluster
 from qsync_lab.costs import Cost, CostModel
-from qsync_lab.devices import LinkSpec
-from qsync_lab.errors import QSyncError
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.policy import OpPrecision, PrecisionAssignment, resolve_precisions, validate_plan
 from qsync_lab.policy.resolve import re_resolve
@@ -171,7 +168,7 @@ class PlanEvaluator:
         self.classes = tuple(sorted({(r.device, r.batch_size) for r in cluster.ranks},
                                     key=lambda c: (cluster.device_kinds.index(c[0]), c[1])))
         self.ddp = _ddp_work(prepared, cluster, costs)
-        self.comm = bucket_comm(prepared, cluster, costs, compression, ring_links(cluster)
+        self.comm = bucket_comm(prepared, cluster, costs, compression, cluster.ring_links()
                                 if cluster.world_size > 1 else None)
         self.tails = tuple(_tail_costs(prepared, cluster, costs, self.devices[name], optimizer)
                            for name, _ in self.classes)
@@ -332,7 +329,7 @@ def _ddp_work(prepared: PreparedGraph, cluster: Cluster, costs: CostModel) -> Dd
     if cluster.world_size == 1:
         return None
     broadcast = (costs.broadcast_time_us(prepared.graph.buffer_bytes, cluster.world_size,
-                                         ring_links(cluster))
+                                         cluster.ring_links())
                  if prepared.graph.buffer_bytes else None)
     return DdpWork(broadcast, prepared.bucket_ops, prepared.bucket_bytes)
 
@@ -344,16 +341,3 @@ def _tail_costs(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, dev
     unpack = (copy_time_us(float(prepared.bucket_bytes.sum()), costs, device)
               if cluster.world_size > 1 and len(prepared.bucket_bytes) else None)
     return unpack, costs.optimizer_time_us(prepared.grad_param_bytes, optimizer, device)
-
-
-def ring_links(cluster: Cluster) -> list[LinkSpec]:
-    """The distinct links between ring neighbours (ranks in rank order, wrapping)."""
-    nodes = np.array([r.node for r in cluster.ranks])
-    following = np.roll(nodes, -1)
-    links = [cluster.intra_node_links[node] for node in np.unique(nodes[nodes == following])]
-    if (nodes != following).any():
-        if cluster.inter_node_link is None:
-            raise QSyncError(f"cluster {cluster.name!r} has several nodes but no "
-                             "inter_node_link; set one")
-        links.append(cluster.inter_node_link)
-    return links

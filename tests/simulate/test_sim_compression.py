@@ -17,7 +17,6 @@ from qsync_lab.graph import trace_graph
 from qsync_lab.plan import Plan
 from qsync_lab.simulate import prepare_graph, simulate
 from qsync_lab.simulate.compression import bucket_comm
-from qsync_lab.simulate.evaluator import ring_links
 
 N = 2048 * 2048  # elements of one weight (a bucket holds one weight and one bias)
 
@@ -35,7 +34,7 @@ def cluster():
 
 
 def _alpha_beta(cluster):
-    link = min(ring_links(cluster), key=lambda link: link.bandwidth_Bps)
+    link = min(cluster.ring_links(), key=lambda link: link.bandwidth_Bps)
     return link.latency_s * US_PER_SECOND, link.bandwidth_Bps / US_PER_SECOND
 
 
