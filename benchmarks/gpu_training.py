@@ -62,12 +62,13 @@ from qsync_lab.costs import CostModel, load_cost_model
 from qsync_lab.devices import DeviceSpec, load_catalog
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.models.families import GPTDecoder, SequenceCrossEntropy
-from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
+from qsync_lab.optimizers import make_optimizer
 from qsync_lab.plan import Plan
 from qsync_lab.policy import PLANNABLE_KINDS, kind_allows
-from qsync_lab.quant import apply_resolved_plan_, describe_precisions
+from qsync_lab.quant import apply_resolved_plan_
 from qsync_lab.quant.native import fp32_inputs
 from qsync_lab.runtime.memory import MemoryWindow
+from qsync_lab.runtime.optimizer_step import finish_step, loss_scaler
 from qsync_lab.simulate import simulate
 
 GEMM_KINDS = ("linear", "conv1d", "conv2d", "conv3d", "matmul")
@@ -250,23 +251,14 @@ class Bench:
             apply_resolved_plan_(model, study.graph, plan.precisions[self.spec.name], self.spec)
             ddp = self._ddp(model.to(self.device))
             optimizer = make_optimizer(OPTIMIZER, ddp.parameters(), lr=LR)
-            fp16 = (describe_precisions(model)["backward"] == "fp16").any()
-            scaler = torch.amp.GradScaler("cuda", enabled=bool(self.cuda and fp16))
+            scaler = loss_scaler(model, cuda=self.cuda)
             inputs, target, loss_fn = self._data(work)
 
             def step():
                 optimizer.zero_grad()
                 loss = loss_fn(fp32_inputs(None, (ddp(*inputs),))[0], target)
                 scaler.scale(loss).backward()
-                if scaler.is_enabled():
-                    scaler.unscale_(optimizer)
-                finite = gradient_sums_finite([p.grad for p in ddp.parameters()
-                                               if p.grad is not None])
-                if scaler.is_enabled():
-                    scaler.step(optimizer)
-                    scaler.update()
-                elif finite:
-                    optimizer.step()
+                finish_step(loss, optimizer, scaler, model)
             return ddp, step
         return build
 

@@ -3,9 +3,9 @@
 Scoring a model (calibration passes in every precision) takes seconds to minutes, and the
 lab opens the same model again and again. :func:`cached_indicator` keys the scores by what
 they are computed from: the model's parameters and buffers (their bytes), its graph, the
-calibration batches, the loss, the precisions and the software; they are kept as CSV under
-``$QSYNC_LAB_CACHE/indicators/`` (written atomically; never unpickled), and a changed model
-or batch computes them again.
+calibration batches, the loss, the precisions, the software and the code that scores; they
+are kept as CSV under ``$QSYNC_LAB_CACHE/indicators/`` (written atomically; never
+unpickled), and a change to any of them scores again.
 
 Example::
 
@@ -18,9 +18,12 @@ Example::
     (32, True)
 """
 
+import functools
 import hashlib
+import importlib.util
 import io
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -42,7 +45,7 @@ def indicator_key(model: nn.Module, graph, batches: Sequence, loss_fn,
     h = hashlib.sha256()
     for part in (CACHE_FORMAT, graph.fingerprint(), type(loss_fn).__name__,
                  ",".join(map(str, precisions)), torch.__version__,
-                 _package_version("qsync-lab")):
+                 _package_version("qsync-lab"), _code_digest()):
         h.update(f"{part}\n".encode())
     for name, tensor in model.state_dict().items():
         h.update(name.encode())
@@ -64,6 +67,18 @@ def cached_indicator(key: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFr
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, buffer.getvalue())
     return scores
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A hash of the code that computes the scores (the indicator and the kernels it
+    quantizes with): a change to either scores again."""
+    h = hashlib.sha256()
+    folders = [Path(__file__).parent,
+               *map(Path, importlib.util.find_spec("qsync_lab.kernels").submodule_search_locations)]
+    for path in sorted(p for folder in folders for p in folder.glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _hash_tensor(h, tensor: torch.Tensor) -> None:

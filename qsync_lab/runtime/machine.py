@@ -105,8 +105,7 @@ def cuda_here() -> bool:
 def emulated_on_cpu(cluster: Cluster) -> Cluster:
     """``cluster`` as a run on CPUs has it: every GPU rank emulated on the CPU
     (``emulate_on = "cpu"``) and the ranks of a node talking over gloo on localhost (the
-    ``loopback`` link). A 2-rank V100 + T4 plan was predicted 20 % of its measured step
-    with PCIe between its emulated ranks, 70 % with loopback."""
+    ``loopback`` link), not over the links of the GPUs they play."""
     ranks = tuple(dataclasses.replace(rank, emulate_on="cpu") if _needs_gpu(cluster, rank)
                   else rank for rank in cluster.ranks)
     links = tuple(cluster.catalog.link(LOCAL_LINK) for _ in cluster.intra_node_links)

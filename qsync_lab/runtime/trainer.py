@@ -74,10 +74,9 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.io import atomic_write_text
-from qsync_lab.optimizers import gradient_sums_finite, make_optimizer
+from qsync_lab.optimizers import make_optimizer
 from qsync_lab.plan import Plan
-from qsync_lab.quant import (apply_resolved_plan_, describe_precisions, restore_rounding_counters,
-                             rounding_counters)
+from qsync_lab.quant import apply_resolved_plan_, restore_rounding_counters, rounding_counters
 from qsync_lab.quant.native import fp32_inputs
 from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpoint_path,
                                           latest_valid_checkpoint, prune_checkpoints,
@@ -90,6 +89,7 @@ from qsync_lab.runtime.machine import emulated_kinds, emulated_on_cpu
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.metrics import MetricsLog, strict_json
 from qsync_lab.runtime.options import SAFE_CHANGES, TrainConfig, option_name
+from qsync_lab.runtime.optimizer_step import finish_step, loss_scaler
 from qsync_lab.runtime.outputs import FINAL, METRICS, RANKS, SUMMARY, check_outputs
 from qsync_lab.runtime.prediction import run_profiles
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
@@ -278,10 +278,7 @@ class _Run:
                                                     seed=self.config.seed)
         self.optimizer = make_optimizer(self.optimizer_name, self.ddp.parameters(),
                                         lr=self.config.lr, momentum=self.config.momentum)
-        # fp16 gradients on a GPU underflow without loss scaling (torch's GradScaler; the
-        # CPU emulation keeps its exact numerics)
-        fp16 = (describe_precisions(model)["backward"] == "fp16").any()
-        self.loss_scale = torch.amp.GradScaler("cuda", enabled=bool(self.cuda and fp16))
+        self.loss_scale = loss_scaler(model, cuda=self.cuda)
 
     def _restore(self) -> int:
         """Continue from the newest valid checkpoint (with ``resume``); the step reached."""
@@ -376,31 +373,10 @@ class _Run:
             if isinstance(failure, QSyncError):  # a compression hook met a non-finite gradient
                 raise QSyncError(f"step {step}: {failure}") from None
             raise
-        if self.loss_scale.is_enabled():
-            self.loss_scale.unscale_(self.optimizer)
-        nonfinite = self._first_nonfinite_gradient()
-        if self.loss_scale.is_enabled():  # it skips a step whose fp16 gradients overflowed
-            self.loss_scale.step(self.optimizer)
-            self.loss_scale.update()
-            if nonfinite is not None and math.isfinite(float(loss.detach())):
-                nonfinite = None  # an overflow: the scale halves, the run goes on
-        elif nonfinite is None:
-            self.optimizer.step()
+        nonfinite = finish_step(loss, self.optimizer, self.loss_scale, self.ddp.module)
         if self.cuda:
             torch.cuda.synchronize()
         return (time.perf_counter() - begin) * 1e3, float(loss.detach()), nonfinite
-
-    def _first_nonfinite_gradient(self) -> str | None:
-        """The first parameter (in module order) whose gradient holds NaN or Inf, or None.
-
-        A NaN or Inf makes its gradient's sum non-finite, so the sums (one cheap pass, much
-        cheaper on the CPU than a max) clear a finite step; only then is each gradient
-        looked at (a sum that merely overflowed is no finding)."""
-        named = [(name, p.grad) for name, p in self.ddp.module.named_parameters()
-                 if p.grad is not None]
-        if gradient_sums_finite([g for _, g in named]):
-            return None
-        return next((name for name, g in named if not bool(torch.isfinite(g).all())), None)
 
     def train(self) -> dict[str, Any] | None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
