@@ -11,7 +11,7 @@
 # train: benchmarks/gpu_training.py, the training step of BERT-base, ResNet-50 and a GPT decoder
 #   under each plan (fp32 ... fp8, qsync) beside plain torch (eager, TF32, autocast), measured
 #   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (rows that
-#   start after 150 s are skipped)
+#   start after 170 s are skipped)
 # tests, kernels, buckets, hooks: the CUDA kernels and the compression hook
 #   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
 # hybrid: benchmarks/hybrid_gpu.py, the GPU split into a fast and a slow partition (green
@@ -73,10 +73,10 @@ for name in $STEPS; do
     [ -s "$OUT/gpu_profile.csv" ] && GPU_PROFILE="$OUT/gpu_profile.csv"
     case $name in
         quant) step quant 60 "${PYTEST[@]}" -m gpu tests/quant ;;
-        profile) step profile 90 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
+        profile) step profile 120 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
                      --model resnet50 --batch 32 --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 \
                      --repeats 5 --out "$OUT/gpu_profile.csv" ;;
-        train) step train 200 $PY benchmarks/gpu_training.py --kernels --budget-s 150 \
+        train) step train 220 $PY benchmarks/gpu_training.py --kernels --budget-s 170 \
                    --out "$OUT" ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
         tests) step tests 40 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
         kernels) step kernels 50 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;

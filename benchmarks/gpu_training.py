@@ -3,8 +3,9 @@
 For BERT-base (batch 32, sequence 128), ResNet-50 (batch 32, 224 px) and a GPT-style
 decoder (6 blocks, width 768, 256 tokens, batch 16), in one process, each model runs:
 
-* the plans ``fp32``; ``tf32``, ``bf16``, ``fp16`` (every plannable GEMM op: linear, conv,
-  matmul); ``int8``, ``fp8_e4m3`` (linear ops); and ``qsync``, the allocator's plan
+* the plans ``fp32``; ``tf32`` (every plannable GEMM op: linear, conv, matmul); ``bf16``,
+  ``fp16`` (what ``torch.autocast`` runs in 16 bits: the GEMMs and batch norms; layer
+  norms stay fp32, as autocast keeps them); ``int8``, ``fp8_e4m3`` (linear ops); and ``qsync``, the allocator's plan
   (:class:`qsync_lab.Study`) for an iteration halfway between the predicted fp32 and bf16
   ones (fp16 on a device without bf16). Each is applied as ``qsync-lab run`` applies it
   (the runtime trainer's path: the model built on the CPU,
@@ -72,9 +73,11 @@ from qsync_lab.runtime.optimizer_step import finish_step, loss_scaler
 from qsync_lab.simulate import simulate
 
 GEMM_KINDS = ("linear", "conv1d", "conv2d", "conv3d", "matmul")
+#: what torch.autocast runs in 16 bits: the GEMMs, and batch norms (in their input's dtype)
+AUTOCAST_KINDS = (*GEMM_KINDS, "batch_norm")
 #: plan -> (precision, the op kinds it sets)
-PLANS = {"fp32": ("fp32", ()), "tf32": ("tf32", GEMM_KINDS), "bf16": ("bf16", GEMM_KINDS),
-         "fp16": ("fp16", GEMM_KINDS), "int8": ("int8", ("linear",)),
+PLANS = {"fp32": ("fp32", ()), "tf32": ("tf32", GEMM_KINDS), "bf16": ("bf16", AUTOCAST_KINDS),
+         "fp16": ("fp16", AUTOCAST_KINDS), "int8": ("int8", ("linear",)),
          "fp8_e4m3": ("fp8_e4m3", ("linear",)), "qsync": None}
 TORCH_RUNS = ("eager_fp32", "tf32", "autocast_bf16", "autocast_fp16")
 #: plan -> the torch row it is compared with

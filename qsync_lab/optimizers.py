@@ -55,8 +55,9 @@ def make_optimizer(name: str, parameters, *, lr: float, momentum: float = 0.9):
 
 
 def gradient_sums_finite(gradients) -> bool:
-    """Whether every gradient's sum is finite: the check a run makes before each optimizer
-    step (a NaN or Inf anywhere makes its tensor's sum non-finite; one cheap pass).
+    """Whether every gradient's sum of magnitudes is finite: the check a run makes before
+    each optimizer step (a NaN or Inf anywhere makes its tensor's sum non-finite; one pass,
+    fused over the tensors on a GPU by ``torch._foreach_norm``).
 
     Example::
 
@@ -68,5 +69,5 @@ def gradient_sums_finite(gradients) -> bool:
 
     if not gradients:
         return True
-    sums = torch.stack([torch.sum(g, dtype=torch.float32) for g in gradients])
+    sums = torch.stack(torch._foreach_norm(list(gradients), 1)).float()
     return bool(torch.isfinite(sums).all())

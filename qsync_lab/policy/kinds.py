@@ -68,6 +68,10 @@ class KindRule:
         native: the forward precisions a GPU runs with torch's own kernels (cuBLAS, cuDNN,
             ``torch._int_mm``, ``torch._scaled_mm``); the others are emulated there
             (:func:`runs_natively`).
+        fp32_inside: for norms (not ``replaces_forward``) run natively in fp16/bf16,
+            whether their kernel is given fp32 inputs (and writes the low dtype after)
+            or reads the 16-bit inputs itself (batch norm's mixed-dtype kernels, as
+            ``torch.autocast`` runs it).
     """
 
     precisions: frozenset[Precision]
@@ -75,6 +79,7 @@ class KindRule:
     replaces_forward: bool
     functions: frozenset[str] = frozenset()
     native: frozenset[Precision] = frozenset()
+    fp32_inside: bool = True
 
     @property
     def module_class(self) -> type | None:
@@ -100,7 +105,8 @@ PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
     "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"}), _FLOATS),
     "embedding": KindRule(_EVERY - {Precision.TF32}, "torch.nn.Embedding", True,
                           native=_NORM),
-    "batch_norm": KindRule(_NORM, "torch.nn.modules.batchnorm._BatchNorm", False, native=_NORM),
+    "batch_norm": KindRule(_NORM, "torch.nn.modules.batchnorm._BatchNorm", False, native=_NORM,
+                           fp32_inside=False),
     "layer_norm": KindRule(_NORM, "torch.nn.LayerNorm", False, native=_NORM),
     "group_norm": KindRule(_NORM, "torch.nn.GroupNorm", False, native=_NORM),
     "rms_norm": KindRule(_NORM, "torch.nn.RMSNorm", False, native=_NORM),

@@ -9,11 +9,13 @@ precision  native computation (forward; the backward likewise in its own precisi
 =========  ==========================================================================
 fp16/bf16  operands cast to the dtype, torch's GEMM / convolution in it (tensor cores,
            fp32 accumulation) and an output in the dtype, as ``torch.autocast`` does;
-           the gradients in the dtype, cast back to each input's dtype
+           the gradients in the dtype, cast back to each input's dtype (autograd's
+           own backward where both passes share the dtype, so the ops launch what
+           autocast's do)
 tf32       fp32 operands with torch's TF32 switches on around the op (cuBLAS and cuDNN),
            off around fp32 ops, so fp32 means fp32
 int8       linear ops: per-tensor (input) and per-tensor or per-row (weight) scales
-           computed on the device, codes by round-half-even and clamp,
+           computed on the device, codes by round-half-even,
            ``torch._int_mm`` (int32 accumulation), dequantized fp32 output; the backward
            in its float precision on the dequantized codes
 fp8        linear ops: e4m3 operands with per-tensor scales, ``torch._scaled_mm`` (fp32
@@ -121,6 +123,10 @@ def native_bilinear(kernel: BilinearKernel, a: torch.Tensor, b: torch.Tensor,
     """``kernel.forward(a, b, bias)`` with torch's kernels for ``cfg``, or None when the
     pair has none here (the caller then emulates it). See the module docstring."""
     forward = cfg.forward
+    if forward is cfg.backward_precision and forward is not Precision.TF32 and \
+            forward in _FLOAT_DTYPES:  # autograd's own backward, in the same dtype
+        dtype = _FLOAT_DTYPES[forward]
+        return kernel.forward(a.to(dtype), b.to(dtype), None if bias is None else bias.to(dtype))
     if forward in _FLOAT_DTYPES and cfg.backward_precision in _FLOAT_DTYPES:
         return _NativeFloat.apply(a, b, bias, kernel, forward, cfg.backward_precision)
     if not isinstance(kernel, LinearKernel) or cfg.rounding != "nearest":
@@ -202,21 +208,25 @@ class _NativeFloat(torch.autograd.Function):
 
 
 def _scale(x: torch.Tensor, fmax: float, dim: int | None = None) -> torch.Tensor:
-    """``amax / fmax`` (1 where the amax is 0), on x's device: per tensor or per row."""
-    amax = (x.abs().amax() if dim is None else x.abs().amax(dim, keepdim=True)).float()
-    return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    """``amax / fmax`` on x's device, per tensor or per row (a tiny floor where the amax is
+    0: the codes are then 0, as the values are), in fp32."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=dim is not None,
+                                    dtype=torch.float32)
+    return amax.div_(fmax).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def _int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.round(x.float() / scale).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    """``round(x / scale)`` as int8 (half to even; within +-127, as the scale puts the
+    amax at 127)."""
+    return torch.div(x.float(), scale).round_().to(torch.int8)
 
 
 def _fp8_values(x: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x / s`` in the fp8 format with its per-tensor scale ``s`` (saturated, as the
-    format's largest finite value is where the scale puts the amax)."""
+    """``x / s`` in the fp8 format with its per-tensor scale ``s`` (the amax lands on the
+    format's largest finite value)."""
     dtype, fmax = _FP8[precision]
     scale = _scale(x, fmax)
-    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype), scale
+    return torch.div(x.float(), scale).to(dtype), scale
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -226,10 +236,8 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 def _linear_output(ctx, out: torch.Tensor, x, weight, bias, saved: tuple,
                    backward: Precision) -> torch.Tensor:
-    """A quantized linear's 2-d fp32 product plus its bias, in x's leading shape; ``saved``
-    (codes and scales) kept for the backward."""
-    if bias is not None:
-        out = out.add_(bias.float())
+    """A quantized linear's 2-d fp32 output, in x's leading shape; ``saved`` (codes and
+    scales) kept for the backward."""
     ctx.save_for_backward(*saved)
     _remember(ctx, x, weight, bias, LinearKernel(), backward)
     return out.reshape(*x.shape[:-1], -1)
@@ -244,16 +252,17 @@ class _NativeInt8Linear(torch.autograd.Function):
         x_scale = _scale(x2, _INT8_MAX)
         w_scale = _scale(weight, _INT8_MAX, 1 if per_row else None)
         x_codes, w_codes = _int8_codes(x2, x_scale), _int8_codes(weight, w_scale)
-        out = torch._int_mm(x_codes, w_codes.t().contiguous()).float()
-        out = out.mul_(x_scale * w_scale.reshape(1, -1) if per_row else x_scale * w_scale)
+        products = torch._int_mm(x_codes, w_codes.t())  # cuBLASLt's layout: B column-major
+        scale = x_scale * (w_scale.reshape(1, -1) if per_row else w_scale)
+        out = products * scale if bias is None else torch.addcmul(bias, products, scale)
         return _linear_output(ctx, out, x, weight, bias, (x_codes, x_scale, w_codes, w_scale),
                               backward)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
-        x = (x_codes.float() * x_scale).reshape(ctx.shapes[0])
-        w = w_codes.float() * w_scale
+        x = (x_codes * x_scale).reshape(ctx.shapes[0])
+        w = w_codes * w_scale
         return (*_float_grads(ctx, ctx.kernel, grad_out, x, w, ctx.backward), None, None)
 
 
@@ -267,6 +276,8 @@ class _NativeFp8Linear(torch.autograd.Function):
         x8, x_scale = _fp8_values(x2, Precision.FP8_E4M3)
         w8, w_scale = _fp8_values(weight, Precision.FP8_E4M3)
         out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=torch.float32)
+        if bias is not None:
+            out = out.add_(bias)
         return _linear_output(ctx, out, x, weight, bias, (x8, x_scale, w8, w_scale), backward)
 
     @staticmethod

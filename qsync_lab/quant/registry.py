@@ -82,7 +82,8 @@ class BoundaryHandler(OpHandler):
 
 
 _HANDLERS: dict[str, OpHandler] = {
-    kind: SwapHandler(kind) if rule.replaces_forward else BoundaryHandler()
+    kind: SwapHandler(kind) if rule.replaces_forward
+    else BoundaryHandler(fp32_inside=rule.fp32_inside)
     for kind, rule in PLANNABLE_KINDS.items()}
 # followers of 16-bit ops (runtime only)
 _HANDLERS["activation"] = BoundaryHandler(fp32_inside=False)

@@ -24,7 +24,8 @@ _GEMMS = {"mm", "addmm", "bmm", "_int_mm", "_scaled_mm", "convolution",
 
 
 class _Kernels(TorchDispatchMode):
-    """Records (aten op name, operand dtypes, TF32 switch) of every GEMM-like call."""
+    """Records (aten op name, operand dtypes, TF32 switch: cuDNN's for convolutions,
+    cuBLAS's for the others) of every GEMM-like call."""
 
     def __init__(self):
         super().__init__()
@@ -35,7 +36,9 @@ class _Kernels(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _GEMMS:
             dtypes = tuple(a.dtype for a in args[:2] if isinstance(a, torch.Tensor))
-            self.calls.append((name, dtypes, torch.backends.cuda.matmul.allow_tf32))
+            switch = torch.backends.cudnn if name.startswith("conv") else \
+                torch.backends.cuda.matmul
+            self.calls.append((name, dtypes, switch.allow_tf32))
         return func(*args, **(kwargs or {}))
 
 
@@ -107,6 +110,20 @@ def test_tf32_switches_are_on_around_tf32_ops_only(linear, device):
     assert [on for *_, on in tf32_kernels.calls] == [True, True, True]
     assert [on for *_, on in mixed_kernels.calls] == [False, True, True]
     assert not torch.backends.cuda.matmul.allow_tf32  # restored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tf32_convolutions_run_with_cudnn_tf32_on(device):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, 3)
+    apply_plan_(conv, {"": "tf32"})
+    before, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    try:
+        _, kernels = _step(conv, torch.randn(2, 4, 8, 8), device)
+        assert not torch.backends.cudnn.allow_tf32  # restored after the op
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
+    assert kernels.calls and all(on for *_, on in kernels.calls)
 
 
 def test_pairs_without_native_kernels_fall_back_to_the_emulation():
