@@ -165,12 +165,14 @@ class _Run:
             raise QSyncError(f"the plan's cluster {self.cluster.name!r} has "
                              f"{self.plan.world_size} ranks but torchrun started {self.world}; "
                              f"use --nproc-per-node={self.plan.world_size} (or re-plan)")
-        me = self.plan.ranks[self.rank]
+        me = self.cluster.ranks[self.rank]  # a RankSpec: its GPU and SMs (the plan's has none)
         self.device = torch.device("cuda", me.gpu_index) if self.cuda else torch.device("cpu")
         if self.cuda:
             torch.cuda.set_device(self.device)
             if me.sms is not None:  # before any other CUDA work: every stream on its SMs
-                enter_sm_partition(me.sms, self.device.index)
+                peers = [r for r in self.cluster.ranks if r.sms is not None
+                         and (r.node, r.gpu_index) == (me.node, me.gpu_index)]
+                enter_sm_partition([r.sms for r in peers], peers.index(me), self.device.index)
             # fp32 ops compute in fp32; tf32 ops switch TF32 on around themselves
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         if config.deterministic:
