@@ -14,12 +14,18 @@
 #   start after 170 s are skipped)
 # tests, kernels, buckets, hooks: the CUDA kernels and the compression hook
 #   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
+# user: the user's path on this GPU: qsync-lab plan (BERT-base, one rank of the card's kind,
+#   --throughput 1000, the GPU profile when measured) and qsync-lab run --steps 30; its
+#   summary gives the measured step beside the prediction
 # hybrid: benchmarks/hybrid_gpu.py, the GPU split into a fast and a slow partition (green
-#   contexts under MPS), each strategy trained and predicted ($OUT/hybrid_gpu.csv)
-# Each step has its own time limit, so one stuck step cannot hide the others' results.
+#   contexts under MPS), each strategy trained and predicted ($OUT/hybrid_gpu.csv; the runs
+#   themselves under $WORK)
+# Each step has its own time limit, so one stuck step cannot hide the others' results. The
+# logs end up in $OUT/logs.tgz (the device tool returns at most 8 files).
 set -u
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$OUT" "$WORK"
 PY=${PYTHON:-python3}
 STEPS=${*:-quant profile train tests kernels buckets}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -66,6 +72,19 @@ if ! $PY -c "$smoke" > /dev/null 2>&1 && [ -d /usr/local/cuda ]; then
     $PY -c "$smoke" 2>&1 | tail -1
 fi
 
+user_path() {  # plan and run BERT-base on one rank of this GPU's catalog kind
+    local kind
+    kind=$($PY -c "from qsync_lab.profile.device import profile_device_name as n; print(n('cuda'))")
+    printf 'name = "one-gpu"\nbatch_size = 32\n\n[[node]]\nname = "n0"\nintra_node_link = "nvlink4"\ndevices = [{ kind = "%s", count = 1 }]\n' \
+        "$kind" > "$WORK/one-gpu.toml"
+    $PY -m qsync_lab.cli plan --model bert_base --cluster "$WORK/one-gpu.toml" --throughput 1000 \
+        ${GPU_PROFILE:+--profile "$GPU_PROFILE"} --out "$WORK/plan.json" &&
+    $PY -m qsync_lab.cli run --plan "$WORK/plan.json" --steps 30 --checkpoint-every 0 \
+        --run-dir "$WORK/user_run" ${GPU_PROFILE:+--profile "$GPU_PROFILE"}
+}
+export -f user_path
+export PY WORK
+
 # no nbval or doctests there; the image's own warnings (numba-cuda's occupancy hints) are
 # reported, not turned into errors
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts=-ra -W default --gpu)
@@ -84,8 +103,11 @@ for name in $STEPS; do
                      --skip-runs --repeats 20 ;;
         hooks) step hooks "${HOOKS_LIMIT:-90}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
                    ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
-        hybrid) step hybrid 240 $PY benchmarks/hybrid_gpu.py --steps 30 --out "$OUT" \
-                    ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
+        user) step user 100 env GPU_PROFILE="${GPU_PROFILE:-}" bash -c user_path ;;
+        hybrid) step hybrid 240 $PY benchmarks/hybrid_gpu.py --steps 30 --out "$WORK/hybrid" \
+                    ${GPU_PROFILE:+--profile "$GPU_PROFILE"}
+                cp "$WORK"/hybrid/hybrid_gpu.{csv,txt} "$OUT/" 2> /dev/null ;;
         *) echo "unknown step $name" ;;
     esac
 done
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

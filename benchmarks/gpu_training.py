@@ -6,8 +6,9 @@ decoder (6 blocks, width 768, 256 tokens, batch 16), in one process, each model 
 * the plans ``fp32``; ``tf32`` (every plannable GEMM op: linear, conv, matmul); ``bf16``,
   ``fp16`` (what ``torch.autocast`` runs in 16 bits: the GEMMs and batch norms; layer
   norms stay fp32, as autocast keeps them); ``int8``, ``fp8_e4m3`` (linear ops); and ``qsync``, the allocator's plan
-  (:class:`qsync_lab.Study`) for an iteration halfway between the predicted fp32 and bf16
-  ones (fp16 on a device without bf16). Each is applied as ``qsync-lab run`` applies it
+  (:class:`qsync_lab.Study`, costed by ``--profile`` when given, else by the catalog) for
+  an iteration halfway between the predicted fp32 and bf16 ones (fp16 on a device without
+  bf16). Each is applied as ``qsync-lab run`` applies it
   (the runtime trainer's path: the model built on the CPU,
   :func:`~qsync_lab.quant.apply_resolved_plan_`, moved to the device, DDP with world size 1
   on NCCL, gloo on the CPU, its optimizer, its step: the loss in fp32, a GradScaler where
@@ -301,7 +302,7 @@ class Bench:
         return Study(work.build(), work.batch(TRACE_BATCH),
                      cluster=one_rank_cluster(self.spec, work.batch_size),
                      loss_fn=work.loss_fn(), calibration_batches=1, optimizer=OPTIMIZER,
-                     progress=False)
+                     profiles=[self.args.profile] if self.args.profile else [], progress=False)
 
     def plan(self, study: Study, name: str) -> Plan:
         if PLANS[name] is None:
@@ -317,7 +318,8 @@ class Bench:
 
     def _qsync_plan(self, study: Study) -> Plan:
         """The allocator's plan for an iteration halfway between fp32's and bf16's (fp16's
-        on a device without bf16), as the catalog predicts them."""
+        on a device without bf16), as the study's costs predict them (the profile, else the
+        catalog): a slower bf16 makes that fp32's own pace, so the plan stays fp32."""
         low = "bf16" if self.spec.supports("bf16") else "fp16"
         fp32, fast = (simulate(study.prepared, self.plan(study, p), study.cluster, study.costs,
                                optimizer=OPTIMIZER).iteration_us for p in ("fp32", low))
