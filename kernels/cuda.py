@@ -412,3 +412,56 @@ def cgx_meta_encode(x, bucket, bits, stochastic, key, meta, payload):
 def cgx_decode(payload, meta, bucket, bits, accumulate, out):
     _launch(_cgx_decode_kernel, _blocks(payload.size // bits))(payload, meta, bucket, bits,
                                                                accumulate, out)
+
+
+# ------------------------------------------------- scalars read on the device (no host sync)
+# Variants of the launchers above whose scalar (a scale, Global-QSGD's shared max) is the
+# first element of a float32 device array rather than a Python number: a value computed on
+# the GPU (an all-reduced max, a per-parameter scale) feeds the kernel without being read
+# back to the host. Each computes exactly what its namesake computes with that number.
+
+
+@cuda.jit
+def _float_decode_sum_dev_kernel(codes, rows, stride, table, scale, out):
+    sc = scale[0]
+    for j in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        s = np.float32(0)
+        for r in range(rows):
+            s += table[codes[r * stride + j]]
+        out[j] = s * sc
+
+
+@cuda.jit
+def _exp_dither_encode_dev_kernel(x, m_arr, key, out):
+    m = m_arr[0]
+    div = m if m > 0 else np.float32(1)
+    for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        out[j] = exp_dither_code(x[j], div, m, rng_bits(key, j))
+
+
+@cuda.jit
+def _exp_dither_decode_dev_kernel(codes, m_arr, out):
+    m = m_arr[0]
+    for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
+        c = np.int64(codes[j])
+        k = (c & 0x7F) - 1
+        val = np.float32(0)
+        if k >= 0:
+            val = m * np.uint32(max(127 - k, 1) << 23).view(np.float32)
+        out[j] = -val if c & 0x80 else val
+
+
+def float_decode_sum_dev(codes, rows, stride, table, scale, out):
+    """:func:`float_decode_sum` with ``scale`` a one-element float32 device array."""
+    _launch(_float_decode_sum_dev_kernel, _blocks(out.size))(codes, rows, stride, table, scale,
+                                                             out)
+
+
+def exp_dither_encode_dev(x, m, key, out):
+    """:func:`exp_dither_encode` with ``m`` a one-element float32 device array."""
+    _launch(_exp_dither_encode_dev_kernel, _blocks(x.size))(x, m, key, out)
+
+
+def exp_dither_decode_dev(codes, m, out):
+    """:func:`exp_dither_decode` with ``m`` a one-element float32 device array."""
+    _launch(_exp_dither_decode_dev_kernel, _blocks(codes.size))(codes, m, out)

@@ -17,10 +17,13 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, compression_error, float_target,
-                                     into, take)
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, compression_error,
+                                     cuda_kernels, float_target, into, nonfinite, on_device,
+                                     poison, take)
 from qsync_lab.kernels import (APS_ZERO_EXPONENT, absmax, aps_shift, float_decode_sum,
                                float_encode, float_quantize)
+from qsync_lab.kernels.floats import _code_array, _decode_table
+from qsync_lab.kernels.plumbing import _arr, _rows_in_place
 
 __all__ = ["encode", "reduce", "wire"]
 
@@ -44,7 +47,32 @@ def _exponents(x: torch.Tensor, segments, world: int) -> torch.Tensor:
     return out
 
 
+def _exponents_on_device(x: torch.Tensor, segments, world: int) -> torch.Tensor:
+    """:func:`_exponents` as a device int32 tensor, no value read back: ``frexp`` of
+    ``max |x| · world`` (exact in float64) taken from its float64 bits."""
+    amax = torch.stack([absmax(x[start:start + numel], backend="cuda")
+                        for start, numel in segments]) if segments else \
+        torch.zeros(0, device=x.device)
+    bits = (amax.double() * world).view(torch.int64)
+    # ceil(log2 v) of a normal float64 v: its unbiased exponent, plus one unless v is a power
+    # of two (what frexp's exponent, less one at mantissa 0.5, is)
+    exponent = ((bits >> 52) & 0x7FF) - 1023 + ((bits & ((1 << 52) - 1)) != 0).long()
+    exponent = torch.where(amax == 0, APS_ZERO_EXPONENT, exponent)
+    return torch.where(torch.isfinite(amax), exponent, _NONFINITE_EXPONENT).to(torch.int32)
+
+
+def _scales_on_device(exponents: torch.Tensor, fmt) -> torch.Tensor:
+    """Per segment the float64 ``2**-aps_shift(exponent)`` (1 for an all-zero parameter), as
+    the CPU path's Python numbers, built from its bits on the device."""
+    bias = aps_shift(0, fmt)
+    power = -(bias - exponents.long()).clamp(-300, 300)  # -aps_shift: in float64's normal range
+    scales = ((power + 1023) << 52).view(torch.float64)
+    return torch.where(exponents == APS_ZERO_EXPONENT, 1.0, scales)
+
+
 def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
+    if on_device(x):
+        return _encode_on_device(x, segments, spec, comm, error, workspace)
     exponents = comm.allreduce_max(_exponents(x, segments, comm.world))
     check_finite(torch.where(exponents == _NONFINITE_EXPONENT, float("inf"), 0.0),
                  "an aps bucket")
@@ -68,6 +96,34 @@ def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -
                    if error else None)
 
 
+def _encode_on_device(x, segments, spec, comm, error, workspace) -> Encoded:
+    """:func:`encode` without a host read: exponents, mark and scales stay on the device and
+    the kernels read each segment's scale there (float32, as the CPU path rounds it)."""
+    exponents = comm.allreduce_max(_exponents_on_device(x, segments, comm.world))
+    bad = nonfinite(torch.where(exponents == _NONFINITE_EXPONENT, float("inf"), 0.0),
+                    "an aps bucket", workspace, True)
+    fmt, dtype = _FORMATS[spec.format], _DTYPES[spec.format]
+    scales = _scales_on_device(exponents, fmt)  # float64
+    scales32 = scales.float()
+    codes = take(workspace, "payload", x.numel(), torch.uint8, x.device)
+    values = take(workspace, "values", x.numel(), torch.float32, x.device) if error else None
+    for k, (start, numel) in enumerate(segments):
+        part, out = x[start:start + numel], codes[start:start + numel].view(dtype)
+        scale = scales32[k:k + 1]
+        if error:
+            float_quantize(part, spec.format, scale=scale, out=(out, values[start:start + numel]),
+                           backend="cuda")
+            values[start:start + numel] *= scale[0]
+        else:
+            float_encode(part, spec.format, scale=scale, out=out, backend="cuda")
+    # the decode's scales: 2**-shift over the world size in float64, then float32 (as the
+    # CPU path's Python numbers are), NaN for a marked bucket
+    world = torch.full((), comm.world, dtype=torch.float64, device=x.device)
+    decode = (scales / world).float() * poison(bad)
+    return Encoded(codes, (segments, decode),
+                   compression_error(x, values, workspace) if error else None)
+
+
 def _scaled(values: torch.Tensor, context) -> torch.Tensor:
     """``values`` times each segment's ``2**-shift``, in place."""
     segments, scales = context
@@ -85,8 +141,18 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
     rows = comm.all_gather(payload, out=gathered)
     codes = (gathered.view(comm.world, -1) if comm.world > 1
              else rows[0].view(1, -1)).view(_DTYPES[spec.format])
-    total = float_target(out, payload.numel(), workspace)
+    total = float_target(out, payload.numel(), workspace, payload.device)
     flat = total.view(-1)
+    if on_device(payload):
+        segments, scales = encoded.context
+        table = _decode_table(codes.dtype, codes.device)
+        for k, (start, numel) in enumerate(segments):
+            if numel:  # float_decode_sum, its scale read on the device
+                part, stride = _rows_in_place(codes[:, start:start + numel])
+                cuda_kernels().float_decode_sum_dev(_code_array(part), comm.world, stride,
+                                                    _arr(table), _arr(scales[k:k + 1]),
+                                                    _arr(flat[start:start + numel]))
+        return total if total is out else into(out, total)
     for (start, numel), scale in zip(*encoded.context):
         float_decode_sum(codes[:, start:start + numel], scale=scale / comm.world,
                          out=flat[start:start + numel])

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_target, into,
-                                     packed_parts, padded, take, unpack)
+from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_target, into, nonfinite,
+                                     on_device, packed_parts, padded, take, unpack)
 from qsync_lab.kernels import cgx_decode_mean, cgx_encode
 
 __all__ = ["encode", "reduce", "wire"]
@@ -30,9 +30,13 @@ def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -
     # the error is written while each group is in cache
     errors = take(workspace, "error", numel, torch.float32, x.device).view(x.shape) if error \
         else None
+    device = on_device(x)
     packed = cgx_encode(x, spec.bits, spec.group_size, rounding=spec.rounding, seed=seed,
                         check_finite=False, out=(payload.view(-1, spec.bits), meta.view(-1, 2)),
-                        error_out=errors)
+                        error_out=errors, backend="cuda" if device else "auto")
+    if device:  # nothing read back: a non-finite group's error is not finite, and the mark
+        # after the all-gather tells the hook to keep no residual of it
+        return Encoded(data, (packed, layout), errors)
     finite = error and bool(torch.isfinite(packed.meta).all())
     return Encoded(data, (packed, layout), errors if finite else None)
 
@@ -42,13 +46,18 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
     data = encoded.payload
     gathered = [unpack(row, *layout) for row in comm.all_gather(
         data, out=take(workspace, "gathered", comm.world * data.numel(), data.dtype, data.device))]
-    for meta, _ in gathered:
-        check_finite(meta, "a cgx bucket")
-    total = float_target(out, math.prod(template.shape), workspace)
+    device = on_device(data)
+    if device:  # the mark stays on the device; a marked group's values decode to NaN
+        nonfinite(torch.cat([meta for meta, _ in gathered]), "a cgx bucket", workspace, True)
+    else:
+        for meta, _ in gathered:
+            check_finite(meta, "a cgx bucket")
+    total = float_target(out, math.prod(template.shape), workspace, data.device)
     # every rank's values summed group by group in one pass over the mean
     cgx_decode_mean([template._replace(meta=meta.reshape(-1, 2), shape=tuple(total.shape),
                                        payload=payload.reshape(-1, spec.bits))
-                     for meta, payload in gathered], out=total)
+                     for meta, payload in gathered], out=total,
+                    backend="cuda" if device else "auto")
     return total if total is out else into(out, total)
 
 

@@ -19,6 +19,16 @@ minus its gradient as the method compresses it (for error feedback and the telem
 relative error). A rank whose gradient holds NaN or Inf marks its payload
 (:data:`NONFINITE`), every rank sees the mark after the collective, and every rank raises
 :class:`NonFiniteGradient`: the ranks stop together, nothing is averaged silently.
+
+On CUDA tensors (:func:`on_device`) no encode or reduce reads a value back to the host: the
+scales, norms, maxima and marks stay device tensors that feed the next kernel or torch op
+(a kernel reads its scale from a device array), so the host only queues work. A marked
+bucket then raises nothing inside the call: the mark, seen by every rank after the
+collective, is kept in the workspace (:meth:`Workspace.note_nonfinite`; the hook's
+:meth:`~qsync_lab.compress.hook.CompressionState.check_finite` reads it once per step and
+raises :class:`NonFiniteGradient` on every rank) and the bucket's mean is not finite (NaN
+throughout for the methods with a scale; the marked values' own elements or groups for
+fp16/bf16 and CGX), so nothing is averaged silently there either.
 """
 
 from dataclasses import dataclass
@@ -28,12 +38,17 @@ import torch
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["NONFINITE", "Encoded", "NonFiniteGradient", "Wire", "Workspace", "check_finite",
-           "compression_error", "float_target", "into", "packed_parts", "padded", "take",
+__all__ = ["DEVICE_PATH_ON_CPU", "NONFINITE", "Encoded", "NonFiniteGradient", "Wire",
+           "Workspace", "check_finite", "compression_error", "cuda_kernels", "float_target",
+           "into", "nonfinite", "on_device", "packed_parts", "padded", "poison", "take",
            "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
+
+#: run the device path (see :func:`on_device`) on CPU tensors too, its kernels in Numba's CUDA
+#: simulator (``NUMBA_ENABLE_CUDASIM=1``): how the tests check that path without a GPU
+DEVICE_PATH_ON_CPU = False
 
 
 class NonFiniteGradient(QSyncError):
@@ -97,6 +112,9 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._nonfinite: dict[tuple[str, torch.device], torch.Tensor] = {}
+        #: the mark of the last bucket reduced on the device path (see :func:`nonfinite`)
+        self.last_nonfinite: torch.Tensor | None = None
 
     def take(self, role: str, numel: int, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> torch.Tensor:
@@ -112,6 +130,19 @@ class Workspace:
     def nbytes(self) -> int:
         """Bytes held by all buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def note_nonfinite(self, bad: torch.Tensor, what: str) -> None:
+        """Keep a device path bucket's mark (a 0-d bool device tensor, never read here): the
+        last one, and or-ed into the marks since :meth:`pop_nonfinite`, per ``what``."""
+        self.last_nonfinite = bad
+        key = (what, bad.device)
+        mark = self._nonfinite.get(key)
+        self._nonfinite[key] = bad.clone() if mark is None else mark.logical_or_(bad)
+
+    def pop_nonfinite(self) -> dict[str, torch.Tensor]:
+        """The marks kept since the last call (``what`` -> 0-d bool tensor), forgotten here."""
+        marks, self._nonfinite = self._nonfinite, {}
+        return {what: mark for (what, _), mark in marks.items()}
 
 
 def take(workspace: "Workspace | None", role: str, numel: int, dtype: torch.dtype,
@@ -131,6 +162,44 @@ def check_finite(flags: torch.Tensor, what: str) -> None:
                                 "check the data and the loss)")
 
 
+def on_device(x: torch.Tensor) -> bool:
+    """Whether a method runs its device path on ``x``: a CUDA tensor (or any tensor, with
+    :data:`DEVICE_PATH_ON_CPU`). There nothing is read back to the host (no ``.item()``,
+    ``float()``, ``bool()`` or ``.tolist()`` of a tensor, no copy to the CPU): the kernels are
+    the CUDA ones (:func:`cuda_kernels`), fed device arrays. The CPU path keeps its Python
+    numbers (reading a CPU tensor costs no synchronisation)."""
+    return x.is_cuda or DEVICE_PATH_ON_CPU
+
+
+def cuda_kernels():
+    """The CUDA kernels' module (``qsync_lab.kernels.cuda``, in Numba's simulator where
+    ``NUMBA_ENABLE_CUDASIM=1``), for the device path's direct launches."""
+    from qsync_lab.kernels.plumbing import _cuda
+
+    return _cuda()
+
+
+def nonfinite(flags: torch.Tensor, what: str, workspace: "Workspace | None",
+              device: bool) -> torch.Tensor | None:
+    """The check after the collective that some rank marked its payload (``flags`` not all
+    finite, on every rank alike). CPU path (``device`` False): :func:`check_finite`, which
+    raises; returns None. Device path: the mark as a 0-d bool device tensor, kept in the
+    workspace (:meth:`Workspace.note_nonfinite`), nothing read or raised."""
+    if not device:
+        check_finite(flags, what)
+        return None
+    bad = torch.isfinite(flags).all().logical_not()
+    if workspace is not None:
+        workspace.note_nonfinite(bad, what)
+    return bad
+
+
+def poison(bad: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 device tensor, NaN where ``bad`` is true else 1.0: a decode's scale times
+    it gives a marked bucket a NaN mean and leaves every other one bit for bit as it was."""
+    return torch.where(bad, float("nan"), 1.0)
+
+
 def compression_error(x: torch.Tensor, own: torch.Tensor,
                       workspace: "Workspace | None" = None) -> torch.Tensor:
     """``x - own`` (float32, x's shape) in the workspace's ``"error"`` buffer: the error of
@@ -145,12 +214,13 @@ def into(out: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
 
 
 def float_target(out: torch.Tensor | None, numel: int,
-                 workspace: Workspace | None = None) -> torch.Tensor:
+                 workspace: Workspace | None = None, device=None) -> torch.Tensor:
     """A float32 tensor for the ranks' mean: ``out`` itself when it is a contiguous float32
-    tensor, else a workspace buffer or a new one (then copied by :func:`into`)."""
+    tensor, else a workspace buffer or a new one (then copied by :func:`into`) on ``out``'s
+    device (without ``out``: on ``device``, the payload's, default the CPU)."""
     if out is not None and out.dtype == torch.float32 and out.is_contiguous():
         return out
-    device = out.device if out is not None else "cpu"
+    device = out.device if out is not None else (device if device is not None else "cpu")
     return take(workspace, "sum", numel, torch.float32, device)
 
 

@@ -22,7 +22,8 @@ Example::
 
 import torch
 
-from qsync_lab.compress.codec import Encoded, Wire, check_finite, compression_error, into, take
+from qsync_lab.compress.codec import (Encoded, Wire, compression_error, into, nonfinite,
+                                     on_device, take)
 from qsync_lab.kernels import absmax
 from qsync_lab.kernels.plumbing import exact_div_
 
@@ -40,7 +41,9 @@ def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -
 
 def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tensor:
     total = comm.allreduce_sum(encoded.payload)
-    check_finite(absmax(total), f"a {spec.method} bucket (or its sum overflowed {spec.method})")
+    device = on_device(total)  # there the mark stays on the device, the mean not finite
+    nonfinite(absmax(total, backend="cuda" if device else "auto"),
+              f"a {spec.method} bucket (or its sum overflowed {spec.method})", workspace, device)
     return into(out, total) if out is not None else total.float()
 
 

@@ -22,7 +22,15 @@ limits its own threads limits the hook's too).
 Telemetry (:meth:`CompressionState.telemetry`): per method, the relative error of this
 rank's compressed gradient ``||Q(g) - g|| / ||g||``, the bits per element on the wire and
 the time spent encoding, communicating and decoding (host clock: for CUDA buckets, the time
-to launch the work and to wait where a result is read, not the kernels' own time).
+to launch the work, not the kernels' own time).
+
+CUDA buckets are reduced without a host synchronisation: no value is read back inside the
+hook (:func:`~qsync_lab.compress.codec.on_device`). The error norms of the telemetry stay
+device tensors until :meth:`~CompressionState.telemetry` reads them, and a bucket that some
+rank's NaN or Inf marked raises nothing there: its mean is not finite, the error-feedback
+residuals keep their values, and :meth:`~CompressionState.check_finite`, called once per
+step outside the hook, raises :class:`~qsync_lab.compress.codec.NonFiniteGradient` on every
+rank (CPU buckets raise it in the hook, on every rank, as they always did).
 
 Example::
 
@@ -52,12 +60,12 @@ import torch.distributed as dist
 from torch import nn
 
 from qsync_lab.compress import aps, cgx, fp16, global_qsgd, qsgd
-from qsync_lab.compress.codec import Workspace
+from qsync_lab.compress.codec import NonFiniteGradient, Workspace, cuda_kernels, on_device
 from qsync_lab.compress.comm import Comm
 from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import l2norm
-from qsync_lab.kernels.plumbing import exact_div_
+from qsync_lab.kernels.plumbing import _arr, _f32, exact_div_
 
 __all__ = ["CompressionState", "StandaloneBucket", "compression_hook", "method_module",
            "register_compression"]
@@ -103,7 +111,8 @@ def bucket_groups(names: list[str], params: list[torch.Tensor],
 
 
 class _Stats:
-    """Telemetry of one method since the last read."""
+    """Telemetry of one method since the last read (the squared norms of CUDA buckets are
+    0-d device tensors, read here only when the telemetry is read)."""
 
     def __init__(self) -> None:
         self.elements = 0
@@ -113,9 +122,9 @@ class _Stats:
         self.encode_s = self.comm_s = self.decode_s = 0.0
 
     def as_dict(self) -> dict[str, float | None]:
+        error_sq, norm_sq = float(self.error_sq), float(self.norm_sq)
         return {"elements": self.elements,
-                "relative_error": ((self.error_sq / self.norm_sq) ** 0.5
-                                   if self.norm_sq > 0 else None),
+                "relative_error": (error_sq / norm_sq) ** 0.5 if norm_sq > 0 else None,
                 "bits_per_element": self.wire_bits / self.elements if self.elements else None,
                 "encode_ms": 1e3 * self.encode_s, "comm_ms": 1e3 * self.comm_s,
                 "decode_ms": 1e3 * self.decode_s}
@@ -191,6 +200,23 @@ class CompressionState:
             if reset:
                 self._stats.clear()
         return out
+
+    def check_finite(self) -> None:
+        """Raise :class:`~qsync_lab.compress.codec.NonFiniteGradient` if a CUDA bucket reduced
+        since the last call held NaN or Inf on some rank (every rank sees the same marks, so
+        every rank raises). The hook keeps those marks on the device and raises nothing for
+        them (see the module's doc); this reads them, one host synchronisation: call it once
+        per step on every rank, after the backward pass and before the optimizer step. CPU
+        buckets raise in the hook itself."""
+        marks = self.workspace.pop_nonfinite()
+        if not marks:
+            return
+        seen = torch.stack([mark.reshape(()) for mark in marks.values()]).cpu().tolist()
+        bad = [what for what, flag in zip(marks, seen) if flag]
+        if bad:
+            raise NonFiniteGradient(f"a gradient of {', '.join(sorted(bad))} holds NaN or Inf "
+                                    "on some rank; the step is stopped on every rank (lower "
+                                    "the learning rate, or check the data and the loss)")
 
     @property
     def failure(self) -> BaseException | None:
@@ -272,27 +298,49 @@ class CompressionState:
         seed = zlib.crc32(f"{self.seed}:{comm.rank}:{self.calls}".encode()) & (2**62 - 1)
         measure = self.record and self.calls % self.error_every == 0
         self.calls += 1
+        device = on_device(x)  # nothing read back to the host from here on
+        self.workspace.last_nonfinite = None
         encoded = module.encode(x, segments, spec, comm, seed,
                                 error=spec.error_feedback or measure, workspace=self.workspace)
-        if encoded.error is not None and spec.error_feedback:
-            for name, (start, n) in zip(group.names, segments):
-                error = encoded.error[start:start + n]
-                if name in self.residuals:  # the residual's memory is reused
-                    self.residuals[name].copy_(error)
-                else:
-                    self.residuals[name] = error.clone()
         encode_s = time.perf_counter() - begin - (comm.seconds - comm_begin)
         error_sq = norm_sq = 0.0
         if encoded.error is not None and measure:
-            error_sq, norm_sq = l2norm(encoded.error) ** 2, l2norm(x) ** 2
+            error_sq, norm_sq = ((_norm_sq(encoded.error), _norm_sq(x)) if device
+                                 else (l2norm(encoded.error) ** 2, l2norm(x) ** 2))
         begin, comm_mid = time.perf_counter(), comm.seconds
         module.reduce(encoded, spec, comm, out=x, workspace=self.workspace)  # the mean
         comm_s = comm.seconds - comm_begin
         decode_s = time.perf_counter() - begin - (comm.seconds - comm_mid)
+        # the device path's mark of this bucket (None on the CPU, which raised instead)
+        bad = self.workspace.last_nonfinite if device else None
+        if encoded.error is not None and spec.error_feedback:  # (the error is still there)
+            begin = time.perf_counter()
+            self._keep_residuals(group, segments, encoded.error, bad)
+            encode_s += time.perf_counter() - begin
+        if bad is not None and measure:  # a marked bucket's error is not counted
+            error_sq = torch.where(bad, 0.0, error_sq)
+            norm_sq = torch.where(bad, 0.0, norm_sq)
         wire = module.wire(x.numel(), segments, spec, comm.world)
         self._count(spec.method, x.numel(), 8 * (wire.payload_bytes + wire.scale_sync_bytes),
                     encode_s, comm_s, decode_s, error_sq, norm_sq)
         return x
+
+    def _keep_residuals(self, group: Group, segments, errors: torch.Tensor,
+                        bad: torch.Tensor | None) -> None:
+        """Each parameter's compression error as its residual for the next step; where the
+        device path marked the bucket (``bad``, read on the device), the residual it had
+        (none: zeros), so one non-finite step does not poison the following ones."""
+        for name, (start, n) in zip(group.names, segments):
+            error = errors[start:start + n]
+            kept = self.residuals.get(name)
+            if bad is not None:
+                if kept is None:
+                    kept = self.residuals[name] = torch.zeros_like(error)
+                torch.where(bad, kept, error, out=kept)
+            elif kept is not None:  # the residual's memory is reused
+                kept.copy_(error)
+            else:
+                self.residuals[name] = error.clone()
 
     def _count(self, method: str, elements: int, wire_bits: float, encode_s: float,
                comm_s: float, decode_s: float, error_sq: float = 0.0,
@@ -306,6 +354,15 @@ class CompressionState:
             stats.decode_s += decode_s
             stats.error_sq += error_sq
             stats.norm_sq += norm_sq
+
+
+def _norm_sq(x: torch.Tensor) -> torch.Tensor:
+    """``l2norm(x) ** 2`` as ``l2norm`` takes it (float64 sum of squares, its square root,
+    squared), left on the device as a 0-d float64 tensor."""
+    acc = torch.zeros(1, dtype=torch.float64, device=x.device)
+    if x.numel():
+        cuda_kernels().sum_squares(_arr(_f32(x.detach())), _arr(acc))
+    return acc.sqrt().square().reshape(())
 
 
 def _numba_threads_to_set() -> int | None:

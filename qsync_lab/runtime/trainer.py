@@ -370,11 +370,15 @@ class _Run:
         weight = torch.where(torch.isfinite(loss.detach()), self.weight, math.nan).to(loss.dtype)
         try:
             self.loss_scale.scale(loss * weight).backward()
+            if self.compression is not None:  # CUDA buckets mark non-finite gradients on
+                self.compression.check_finite()  # the device: one read a step
         except RuntimeError:
             failure = self.compression.failure if self.compression is not None else None
             if isinstance(failure, QSyncError):  # a compression hook met a non-finite gradient
                 raise QSyncError(f"step {step}: {failure}") from None
             raise
+        except QSyncError as err:
+            raise QSyncError(f"step {step}: {err}") from None
         nonfinite = finish_step(loss, self.optimizer, self.loss_scale, self.ddp.module)
         if self.cuda:
             torch.cuda.synchronize()

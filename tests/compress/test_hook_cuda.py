@@ -5,6 +5,8 @@ All ranks share the machine's GPUs (``cuda:rank % count``): NCCL needs one GPU p
 so its test runs one rank when the machine has one GPU.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -93,3 +95,144 @@ def test_ddp_trains_on_cuda(backend, spec):
         assert all(torch.equal(a, b) for a, b in zip(params, other))  # ranks agree
     assert losses[-1] < 0.5 * losses[0]
     assert methods == [spec.split(":")[0]]
+
+
+# ------------------------------------------------ no host synchronisation (issue 36, item 2)
+SYNC_SPECS = ("fp16", "bf16", "global_qsgd:8", "global_qsgd:16",
+              "global_qsgd:8,dithering=exponential", "aps:fp8_e5m2", "aps:fp8_e4m3", "cgx:4",
+              "cgx:3,group_size=100", "qsgd:8")
+SYNC_SEGMENTS = [(0, 3000), (3000, 5192)]
+
+
+@contextlib.contextmanager
+def _syncs_raise():
+    """Every synchronising CUDA call raises: torch's (``.item()``, ``float()``, ``bool()``,
+    copies to or from pageable host memory, stream and device synchronisation) through
+    ``set_sync_debug_mode("error")``, Numba's (a copy to or from the host, a synchronise)
+    through patches."""
+    from numba import cuda as ncuda
+    from numba.cuda.cudadrv import devicearray, driver
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a Numba host synchronisation inside a no-sync region")
+
+    patched = [(devicearray.DeviceNDArrayBase, "copy_to_host"), (driver.Stream, "synchronize"),
+               (ncuda, "synchronize"), (ncuda, "to_device")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    for owner, name in patched:
+        setattr(owner, name, refuse)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _inputs(device, nan_rank, rank):
+    """Per spec a float32 and a bf16 bucket, and a float32 one with a NaN on rank
+    ``nan_rank`` (-1: none), made before any no-sync region."""
+    out, numel = [], sum(n for _, n in SYNC_SEGMENTS)
+    for text in SYNC_SPECS:
+        for dtype, nan in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+            x = torch.linspace(-3, 2, numel, device=device).to(dtype)
+            if nan and nan_rank == rank:
+                x[numel * 3 // 4] = float("nan")
+            out.append((text, dtype, nan, x, torch.empty_like(x)))
+    return out
+
+
+def _every_method_once(comm, inputs, workspace):
+    """Each input's encode (with its error) and reduce, into its bucket through the workspace
+    and again without either: the means."""
+    from qsync_lab.compress.hook import method_module
+    from qsync_lab.compress.spec import CompressionSpec
+
+    out = []
+    for text, dtype, nan, x, bucket in inputs:
+        spec = CompressionSpec.parse(text)
+        module = method_module(spec)
+        encoded = module.encode(x, SYNC_SEGMENTS, spec, comm, seed=7, error=True,
+                                workspace=workspace)
+        mean = module.reduce(encoded, spec, comm, out=bucket, workspace=workspace)
+        plain = module.reduce(module.encode(x, SYNC_SEGMENTS, spec, comm, seed=8), spec, comm)
+        out.append((text, str(dtype), nan, mean, plain))
+    return out
+
+
+def _no_sync(rank, world):
+    from qsync_lab.compress.codec import Workspace
+    from qsync_lab.compress.comm import Comm
+
+    device = _device(rank)
+    comm, workspace = Comm(None), Workspace()
+    # kernels compiled, decode tables built, the caching allocator warm: outside the check
+    expected = _every_method_once(comm, _inputs(device, -1, rank), workspace)
+    workspace.pop_nonfinite()
+    inputs = _inputs(device, 0, rank)
+    torch.cuda.synchronize()
+    with _syncs_raise():
+        got = _every_method_once(comm, inputs, workspace)
+    torch.cuda.synchronize()
+    marks = workspace.pop_nonfinite()
+    assert marks and all(bool(mark) for mark in marks.values()), marks
+    for (text, dtype, nan, mean, plain), (_, _, _, want, want_plain) in zip(got, expected):
+        if nan:  # nothing averaged silently: the marked bucket's mean is not finite
+            assert not bool(torch.isfinite(mean).all()), (text, dtype)
+        else:  # and the others are what they were with syncs allowed
+            assert torch.equal(mean, want) and torch.equal(plain, want_plain), (text, dtype)
+
+    # one hooked DDP step: forward, backward through the hook, optimizer step
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(),
+                              nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).to(device),
+                bucket_cap_mb=0.02)
+    state = register_compression(model, {"0.weight": "cgx:4,error_feedback=true",
+                                         "2.weight": "aps:fp8_e4m3,error_feedback=true",
+                                         "4.weight": "global_qsgd:8",
+                                         "6.weight": "fp16,min_numel=0", "6.bias": None,
+                                         "_default": "qsgd:8,min_numel=0,compress_1d=true"},
+                                 seed=1, error_every=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(32, 64, generator=generator).to(device) for _ in range(13)]
+    target = torch.randn(64, 4, generator=torch.Generator().manual_seed(9)).to(device)
+    losses = []
+
+    def step(x):
+        optimizer.zero_grad()
+        loss = (model(x) - x @ target).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+
+    # past DDP's bucket rebuild (after the first step) and its timed first 10 iterations
+    for x in batches[:12]:
+        step(x)
+    state.check_finite()
+    torch.cuda.synchronize()
+    with _syncs_raise():
+        step(batches[12])
+    torch.cuda.synchronize()
+    state.check_finite()  # outside the hook: one read per step
+    telemetry = state.telemetry()
+    state.close()
+    assert state.failure is None
+    assert sorted(telemetry) == ["aps", "cgx", "fp16", "fp32", "global_qsgd", "qsgd"], telemetry
+    assert all(stats["relative_error"] is not None for method, stats in telemetry.items()
+               if method != "fp32"), telemetry
+    assert all(bool(torch.isfinite(loss)) for loss in losses)
+    return True
+
+
+def test_no_host_sync_in_encode_reduce_or_a_hooked_ddp_step():
+    """Issue 36: on a GPU, every method's encode and reduce (a finite bucket and one with a
+    NaN, which marks it on the device and raises nothing) and one whole hooked DDP step run
+    under ``torch.cuda.set_sync_debug_mode("error")``, Numba's host copies refused too; the
+    results equal those of the same calls with syncs allowed. One NCCL rank (gloo where
+    NCCL is missing)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if dist.is_nccl_available() else "gloo"
+    assert run_ranks(_no_sync, 1, backend=backend) == [True]

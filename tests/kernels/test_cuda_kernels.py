@@ -181,6 +181,37 @@ def test_qsgd_and_norm(dev):
     assert torch.equal(a.codes.cpu(), b.codes)
 
 
+def test_launchers_with_the_scalar_on_the_device(dev):
+    """The ``_dev`` launchers (issue 36: a scale or Global-QSGD's max read from a device
+    array, not the host) give their namesakes' results bit for bit."""
+    from qsync_lab.kernels import floats
+    from qsync_lab.kernels.plumbing import _arr, _cuda, _rows_in_place
+    from qsync_lab.kernels.rng import rng_key
+
+    k = _cuda()
+    x = _x(300, seed=5, dev=dev)
+    m = x.abs().max().reshape(1)
+    codes = torch.empty(300, dtype=torch.uint8, device=dev)
+    k.exp_dither_encode_dev(_arr(x), _arr(m), rng_key(3), _arr(codes))
+    want = K.global_qsgd_encode(x.cpu(), float(m), 1, dithering="exponential", seed=3,
+                                backend="reference")
+    assert torch.equal(codes.cpu(), want)
+    values = torch.empty(300, device=dev)
+    k.exp_dither_decode_dev(_arr(codes), _arr(m), _arr(values))
+    assert torch.equal(values.cpu(), K.global_qsgd_decode(want, float(m), 1,
+                                                          dithering="exponential",
+                                                          backend="reference"))
+    rows = torch.stack([_x(300, seed=r) * 50 for r in range(3)]).to(torch.float8_e5m2).to(dev)
+    flat, stride = _rows_in_place(rows[:, 5:])
+    total = torch.empty(295, device=dev)
+    scale = torch.tensor([0.25], device=dev)
+    k.float_decode_sum_dev(floats._code_array(flat), 3, stride,
+                           _arr(floats._decode_table(rows.dtype, rows.device)), _arr(scale),
+                           _arr(total))
+    want = K.float_decode_sum(rows.cpu()[:, 5:], scale=0.25, backend="reference")
+    assert torch.equal(total.cpu().view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.gpu
 def test_real_gpu_auto_backend_uses_cuda():
     x = _x(1 << 20, dev="cuda")
