@@ -1,7 +1,8 @@
 """Fit the cost model's free parameters to measured times.
 
 * :func:`calibrate_efficiency` fits the roofline's compute and memory efficiency per op
-  kind on one device, by least squares on the rows of a measured profile.
+  kind on one device, by least squares on the rows of a measured profile, and the least
+  time per (kind, precision) where the rows show one.
 * :func:`fit_cast_costs` fits ``time_us = a * numel + b`` per (device, src, dst) cast.
 
 Both take the rows of a :class:`~qsync_lab.costs.ProfileTable` (or any frame with the
@@ -37,6 +38,9 @@ from qsync_lab.costs.roofline import Roofline, default_roofline
 __all__ = ["CastFit", "calibrate_efficiency", "fit_cast_costs", "fit_compression_costs"]
 
 _MAX_ROUNDS = 50
+#: the floored model replaces the plain one where it divides the squared error by this
+FLOOR_GAIN = 2.0
+_EXACT = 1e-12  # squared error per squared time below which a fit is exact (rounding)
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,17 @@ def calibrate_efficiency(measured: pd.DataFrame, device: DeviceSpec, *,
     the least-squares solution on its rows, and the split is repeated until it is stable.
     Kinds without rows keep ``base``'s factors.
 
+    Rows whose time does not follow their work carry no evidence about the efficiencies:
+    ops bound by a fixed cost (a GPU op whose host issues it slower than the device runs
+    it: its in-step time is the host's, whatever its size). Fitted anyway, they drive the
+    factors towards zero, and the roofline of a large op the profile did not measure
+    grows with its work a hundredfold. So the model with a floor per (kind, precision),
+    ``t = max(a / e_compute, b / e_memory, floor)``, is fitted too (the floors start at
+    each precision's median row, then are the mean of their floor-bound rows); it
+    replaces the plain fit where it at least halves the squared error
+    (:data:`FLOOR_GAIN`): the factors then come from the rows the work explains (the
+    base's where none), and an unmeasured op costs at least its floor.
+
     Args:
         measured: rows with columns ``device, kind, precision, phase, flops, bytes,
             time_us`` (a profile's ``frame``).
@@ -82,6 +97,18 @@ def calibrate_efficiency(measured: pd.DataFrame, device: DeviceSpec, *,
 
     Returns:
         A new :class:`Roofline` for ``device``.
+
+    Example::
+
+        >>> from qsync_lab.devices import load_catalog
+        >>> h200 = load_catalog().device("H200-SXM-141GB")
+        >>> nbytes = np.array([1e6, 1e7, 1e8, 1e9, 1e10])  # 40 us fixed cost, then bandwidth
+        >>> rows = pd.DataFrame({"device": h200.name, "kind": "add", "precision": "bf16",
+        ...     "phase": "forward", "flops": 0.0, "bytes": nbytes,
+        ...     "time_us": np.maximum(nbytes / 4.8e12 * 1e6, 40.0) + 5.0})
+        >>> roof = calibrate_efficiency(rows, h200)
+        >>> round(roof.memory_efficiency["add"], 3), roof.floor_us[("add", "bf16")]
+        (1.0, 40.0)
     """
     base = base if base is not None else default_roofline().for_device(device)
     rows = measured[(measured["device"] == device.name) & measured["phase"].isin(OP_PHASES)]
@@ -90,16 +117,25 @@ def calibrate_efficiency(measured: pd.DataFrame, device: DeviceSpec, *,
                          "profile that device first")
     compute = dict(base.compute_efficiency)
     memory = dict(base.memory_efficiency)
+    floors = dict(base.floor_us)
     for kind, group in rows.groupby("kind", sort=True):
         peak = np.array([device.peak_flops_for(Precision.parse(p)) for p in group["precision"]])
         a = group["flops"].to_numpy(float) / peak * US_PER_SECOND
         b = group["bytes"].to_numpy(float) / device.memory_bandwidth_Bps * US_PER_SECOND
         t = np.maximum(group["time_us"].to_numpy(float) - base.launch_us, 0.0)
         start = base.efficiency([kind])
-        inv_compute, inv_memory = _fit_max_model(a, b, t, 1 / start[0][0], 1 / start[1][0])
-        compute[kind], memory[kind] = 1 / inv_compute, 1 / inv_memory
+        x, y = _fit_max_model(a, b, t, 1 / start[0][0], 1 / start[1][0])
+        labels = np.array([str(p).lower() for p in group["precision"]])
+        fx, fy, floor = _fit_floored_model(a, b, t, labels, 1 / start[0][0], 1 / start[1][0])
+        row_floor = np.array([floor[p] for p in labels])
+        floored_error = _squared_error(t, np.maximum(np.maximum(a * fx, b * fy), row_floor))
+        plain_error = _squared_error(t, np.maximum(a * x, b * y))
+        if plain_error > FLOOR_GAIN * floored_error + _EXACT * float(t @ t):
+            x, y = fx, fy
+            floors.update({(kind, p): f for p, f in floor.items() if f > 0})
+        compute[kind], memory[kind] = 1 / x, 1 / y
     return Roofline(MappingProxyType(compute), MappingProxyType(memory), base.launch_us,
-                    f"fit:{source}")
+                    f"fit:{source}", MappingProxyType(floors))
 
 
 def _fit_max_model(a: np.ndarray, b: np.ndarray, t: np.ndarray, x: float,
@@ -114,6 +150,31 @@ def _fit_max_model(a: np.ndarray, b: np.ndarray, t: np.ndarray, x: float,
         x = _slope(a[compute_bound], t[compute_bound], x)
         y = _slope(b[~compute_bound], t[~compute_bound], y)
     return x, y
+
+
+def _fit_floored_model(a: np.ndarray, b: np.ndarray, t: np.ndarray, labels: np.ndarray,
+                       x: float, y: float) -> tuple[float, float, dict[str, float]]:
+    """Least squares for ``t ≈ max(a·x, b·y, floor[label])`` by alternating the bound
+    assignment, each floor starting at its label's median (0: no row is floor-bound)."""
+    floor = {p: float(np.median(t[labels == p])) for p in np.unique(labels)}
+    bound = None
+    for _ in range(_MAX_ROUNDS):
+        floored = np.array([floor[p] for p in labels]) > np.maximum(a * x, b * y)
+        compute_bound = ~floored & (a * x >= b * y)
+        state = np.stack([floored, compute_bound])
+        if bound is not None and np.array_equal(bound, state):
+            break
+        bound = state
+        x = _slope(a[compute_bound], t[compute_bound], x)
+        memory_bound = ~floored & ~compute_bound
+        y = _slope(b[memory_bound], t[memory_bound], y)
+        floor = {p: float(t[floored & (labels == p)].mean()) if (floored & (labels == p)).any()
+                 else 0.0 for p in floor}
+    return x, y, floor
+
+
+def _squared_error(t: np.ndarray, model: np.ndarray) -> float:
+    return float(((t - model) ** 2).sum())
 
 
 def _slope(x: np.ndarray, t: np.ndarray, default: float) -> float:

@@ -5,7 +5,9 @@ Every answer carries its source, in this order of preference:
 1. ``profile:<file>`` — a measured row for this (device, op FQN or kind + shapes,
    precision, phase, batch size);
 2. ``fit:<file>`` — the roofline with efficiencies calibrated on that device's measured
-   rows, or a cast line fitted to measured casts;
+   rows, or a cast line fitted to measured casts; ``floor:<file>`` where the op's time is
+   the least time measured rows of its kind and precision take (fixed costs, casts
+   included, :func:`~qsync_lab.costs.calibrate_efficiency`), not its work;
 3. ``roofline`` — the catalog's peaks and bandwidth with the initial efficiency table, or
    the catalog's measured efficiencies where the device has them;
 4. ``alpha-beta:<link>`` — allreduces, from the catalog link, or from the link's measured
@@ -85,7 +87,8 @@ class CostModel:
             timings miss (:mod:`qsync_lab.profile.overhead`, a profile's
             ``step_overhead_us`` metadata); one ``framework`` event per iteration.
         event_overhead_us: device name -> the same fit's correction per measured op event
-            (may be negative; an event never drops below zero).
+            (may be negative; an event never drops below zero), added to its host time
+            where the profile has one (a GPU's: the host's work between two ops).
         precision_op_overhead_us: (device name, precision) -> µs each measured forward event
             computed in that low precision adds: calibrated so that a model's measured DDP
             step under a uniform plan of it is simulated (a profile's
@@ -221,7 +224,9 @@ class CostModel:
         if emulated.any():
             times = np.where(emulated, self._emulated_times_us(work, keys, device, batch_size,
                                                                phase), times)
-        sources = [roofline.source] * len(work)
+        floor_source = "floor:" + roofline.source.removeprefix("fit:")
+        floored = roofline.floored(flops, nbytes, work.kinds, device, precisions) & ~emulated
+        sources = [floor_source if f else roofline.source for f in floored]
         tables = [t for t in self.profiles if any(k[0] == device.name for k in t.by_op)
                   or any(k[0] == device.name for k in t.by_shape)]
         if tables:
@@ -236,6 +241,36 @@ class CostModel:
                         times[i], sources[i] = found, table.source
                         break
         return times, sources
+
+    def op_host_times_us(self, work: OpWork, device: DeviceSpec, *, batch_size: int, phase: str,
+                         plan_precisions: Sequence["Precision | str"]) -> np.ndarray:
+        """Per op of ``work``, the host's time to issue ``phase`` on ``device`` (a GPU; the
+        device runs it asynchronously), from the first profile with host times there
+        (:meth:`~qsync_lab.costs.ProfileTable.op_host_us`: the op's row, else the median of
+        its kind, else of its precision and phase); NaN where no profile has one: no host
+        term (the CPU's ops are the host's work; profiles written before ``host_us``).
+
+        Example::
+
+            >>> import torch, torch.nn as nn
+            >>> from qsync_lab.graph import trace_graph
+            >>> from qsync_lab.costs import op_work
+            >>> work = op_work(trace_graph(nn.Linear(8, 8), torch.randn(4, 8)))
+            >>> h100 = load_catalog().device("H100-SXM5-80GB")
+            >>> CostModel().op_host_times_us(work, h100, batch_size=4, phase="forward",
+            ...                              plan_precisions=["fp32"]).tolist()
+            [nan]
+        """
+        host = np.full(len(work), np.nan)
+        tables = [t for t in self.profiles if any(k[0] == device.name for k in t.host_by_kind)]
+        for i, name in enumerate(work.names if tables else ()):
+            key, plan = shape_key(work, i, batch_size), str(Precision.parse(plan_precisions[i]))
+            for table in tables:
+                found = table.op_host_us(device.name, name, plan, phase, batch_size, key)
+                if found is not None:
+                    host[i] = found
+                    break
+        return host
 
     def _emulated_times_us(self, work: OpWork, keys: Sequence["Precision | str"],
                            device: DeviceSpec, batch_size: int, phase: str) -> np.ndarray:

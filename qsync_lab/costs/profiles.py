@@ -23,14 +23,20 @@ batch_size per-rank batch size of the measurement (0 for casts)
 numel      elements converted or compressed (casts, compression; 0 otherwise)
 flops      FLOPs of the measured work (:func:`qsync_lab.costs.phase_work`)
 bytes      bytes of the measured work (same)
-time_us    median time of one run
+time_us    median time of one run (on a GPU: the device's time, CUDA events)
 repeats    how many timed runs the median is over
+host_us    optional: median time the host spent issuing the run (a GPU's op rows: the host
+           clock around the op's call, no synchronise); empty where the host and the
+           device are one (CPU rows, casts) or it was not measured (profiles written
+           before the column)
 ========== ==============================================================================
 
 Metadata keys the profiler writes: ``torch_version``, ``cuda_version``, ``device_name``,
 ``qsync_lab_version``, ``date``. Rows match an op by (device, FQN, precision, phase,
 batch size) first, then by (device, kind, shape key, precision, phase), the precision
-being the plan's (``plan_precision``).
+being the plan's (``plan_precision``). Host times match the same way; an op without one
+takes the median host time of its (device, kind, precision, phase), else of its (device,
+precision, phase): issuing an op costs the host about the same whatever its sizes.
 
 Example::
 
@@ -45,6 +51,8 @@ Example::
     >>> table.source, table.metadata["torch_version"], table.op_time_us("T4", "fc", "fp16",
     ...     "forward", 32)
     ('profile:T4.csv', '2.13.0', 7.5)
+    >>> table.op_host_us("T4", "fc", "fp16", "forward", 32) is None   # no host_us column
+    True
 """
 
 import io
@@ -67,7 +75,9 @@ __all__ = ["OP_PHASES", "PROFILE_COLUMNS", "PROFILE_PHASES", "ProfileTable", "re
            "write_profile"]
 
 PROFILE_COLUMNS = ("device", "op", "kind", "shape_key", "precision", "plan_precision", "phase",
-                   "batch_size", "numel", "flops", "bytes", "time_us", "repeats")
+                   "batch_size", "numel", "flops", "bytes", "time_us", "repeats", "host_us")
+#: columns a profile may lack (written before them), and what they then hold
+_OPTIONAL = {"host_us": math.nan}
 #: op phases, then the runtime's casts and the gradient compressors' encode and decode
 #: (``kind`` "encode" or "decode", ``op`` the compression spec, e.g. "global_qsgd:8")
 PROFILE_PHASES = ("forward", "backward_input", "backward_weight", "cast", "compress")
@@ -89,6 +99,9 @@ class ProfileTable:
         metadata: the ``# key: value`` lines.
         by_op: (device, op, plan precision, phase, batch_size) -> time_us.
         by_shape: (device, kind, shape_key, plan precision, phase) -> mean time_us.
+        host_by_op, host_by_shape: the same for ``host_us`` (rows that have one).
+        host_by_kind: (device, kind, plan precision, phase) and (device, plan precision,
+            phase) -> median ``host_us``: the host time of ops without one.
     """
 
     frame: pd.DataFrame
@@ -96,24 +109,21 @@ class ProfileTable:
     metadata: Mapping[str, str] = field(default_factory=dict)
     by_op: Mapping[tuple, float] = field(default_factory=dict, repr=False)
     by_shape: Mapping[tuple, float] = field(default_factory=dict, repr=False)
+    host_by_op: Mapping[tuple, float] = field(default_factory=dict, repr=False)
+    host_by_shape: Mapping[tuple, float] = field(default_factory=dict, repr=False)
+    host_by_kind: Mapping[tuple, float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, source: str,
                    metadata: Mapping[str, str] | None = None) -> "ProfileTable":
-        """Check ``frame`` and index it: by FQN the later of duplicate rows wins; by shape
-        key, the mean over the rows of that key (ops of one kind and shapes, e.g. the
-        layers of a transformer, timed in different places of a step)."""
+        """Check ``frame`` and index its op rows' times and host times (the attributes)."""
         frame = _checked(frame, source)
         ops = frame[frame["phase"].isin(OP_PHASES)]
-        by_op = {(d, o, p, ph, int(b)): float(t) for d, o, p, ph, b, t in zip(
-            ops["device"], ops["op"], ops["plan_precision"], ops["phase"], ops["batch_size"],
-            ops["time_us"]) if o}
-        shaped = ops[ops["shape_key"] != ""]
-        by_shape = {key: float(t) for key, t in shaped.groupby(
-            ["device", "kind", "shape_key", "plan_precision", "phase"], sort=False)["time_us"]
-            .mean().items()}
+        hosted = ops[ops["host_us"].notna()]
         return cls(frame, source, MappingProxyType(dict(metadata or {})),
-                   MappingProxyType(by_op), MappingProxyType(by_shape))
+                   *(MappingProxyType(index) for index in (*_indexes(ops, "time_us"),
+                                                           *_indexes(hosted, "host_us"))),
+                   MappingProxyType(_host_by_kind(hosted)))
 
     def op_time_us(self, device: str, op: str, precision: str, phase: str,
                    batch_size: int, shape_key: str | None = None) -> float | None:
@@ -123,6 +133,21 @@ class ProfileTable:
         if found is None and shape_key is not None:
             kind = shape_key.split("|", 1)[0]
             found = self.by_shape.get((device, kind, shape_key, precision, phase))
+        return found
+
+    def op_host_us(self, device: str, op: str, precision: str, phase: str, batch_size: int,
+                   shape_key: str | None = None) -> float | None:
+        """The measured host time of an op (as :meth:`op_time_us` finds its time), else the
+        median of its kind (``shape_key``'s), else of every kind at ``precision`` and
+        ``phase`` on ``device``; None where the table has no host times there."""
+        found = self.host_by_op.get((device, op, precision, phase, batch_size))
+        if found is None and shape_key is not None:
+            kind = shape_key.split("|", 1)[0]
+            found = self.host_by_shape.get((device, kind, shape_key, precision, phase))
+            if found is None:
+                found = self.host_by_kind.get((device, kind, precision, phase))
+        if found is None:
+            found = self.host_by_kind.get((device, precision, phase))
         return found
 
     def aliased(self, alias: str, device: str) -> "ProfileTable":
@@ -138,6 +163,32 @@ class ProfileTable:
         rows["src"] = parts[0] if len(rows) else pd.Series(dtype=str)
         rows["dst"] = parts[1] if len(rows) else pd.Series(dtype=str)
         return rows
+
+
+def _indexes(ops: pd.DataFrame, column: str) -> tuple[dict, dict]:
+    """``column`` of op rows by (device, FQN, plan precision, phase, batch size), the later
+    of duplicate rows winning, and the mean by (device, kind, shape key, plan precision,
+    phase) (ops of one kind and shapes, e.g. the layers of a transformer, timed in
+    different places of a step)."""
+    by_op = {(d, o, p, ph, int(b)): float(t) for d, o, p, ph, b, t in zip(
+        ops["device"], ops["op"], ops["plan_precision"], ops["phase"], ops["batch_size"],
+        ops[column]) if o}
+    shaped = ops[ops["shape_key"] != ""]
+    by_shape = {key: float(t) for key, t in shaped.groupby(
+        ["device", "kind", "shape_key", "plan_precision", "phase"], sort=False)[column]
+        .mean().items()}
+    return by_op, by_shape
+
+
+def _host_by_kind(hosted: pd.DataFrame) -> dict:
+    """Median ``host_us`` per (device, kind, plan precision, phase) and per (device, plan
+    precision, phase)."""
+    found = {}
+    for keys in (["device", "kind", "plan_precision", "phase"],
+                 ["device", "plan_precision", "phase"]):
+        found.update({key: float(t) for key, t in
+                      hosted.groupby(keys, sort=False)["host_us"].median().items()})
+    return found
 
 
 def read_profile(path: "str | os.PathLike[str]") -> ProfileTable:
@@ -182,6 +233,7 @@ def write_profile(path: "str | os.PathLike[str]", frame: pd.DataFrame,
 def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     if "plan_precision" not in frame.columns and "precision" in frame.columns:
         frame = frame.assign(plan_precision=frame["precision"])  # written before the column
+    frame = frame.assign(**{c: v for c, v in _OPTIONAL.items() if c not in frame.columns})
     missing = [c for c in PROFILE_COLUMNS if c not in frame.columns]
     if missing:
         raise QSyncError(f"profile {source} lacks column {missing[0]!r}; "
@@ -201,6 +253,15 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
             raise QSyncError(f"profile {source} row {row}: {col} must be a number >= 0 and "
                              f"finite, got {show(str(frame[col].iloc[row]))}")
         frame[col] = values
+    text = frame["host_us"].astype(object)
+    empty = text.isna() | text.map(lambda v: str(v).strip() in ("", "nan"))  # not measured
+    host = pd.to_numeric(text.where(~empty), errors="coerce")
+    bad = (host.isna() & ~empty) | (host < 0) | (host.abs() == math.inf)
+    if bad.any():
+        row = int(host.index[bad][0])
+        raise QSyncError(f"profile {source} row {row}: host_us must be empty or a number "
+                         f">= 0 and finite, got {show(str(text.iloc[row]))}")
+    frame["host_us"] = host
     bad_phase = ~frame["phase"].isin(PROFILE_PHASES)
     if bad_phase.any():
         row = int(frame.index[bad_phase][0])

@@ -1,8 +1,11 @@
 """Roofline operator times from the device catalog, scaled by per-kind efficiency factors.
 
 ``time_us = max(flops / (peak_flops[precision] * compute_efficiency[kind]),
-bytes / (memory_bandwidth * memory_efficiency[kind])) + launch_us`` for an op that does
-any work, and 0 for one that does none (views).
+bytes / (memory_bandwidth * memory_efficiency[kind]), floor_us[kind, precision]) +
+launch_us`` for an op that does any work, and 0 for one that does none (views). The floor
+(none by default) is the least time an op of that kind and precision takes on the device
+whatever its work, where a measured profile shows one
+(:func:`qsync_lab.costs.calibrate_efficiency`).
 
 The efficiency factors are data: :data:`DEFAULT_EFFICIENCY` holds *initial values*, not
 measurements. A catalog entry may carry measured factors of its own (``compute_efficiency``,
@@ -67,6 +70,8 @@ class Roofline:
             the fallback for unlisted kinds).
         memory_efficiency: kind -> fraction of the memory bandwidth reached.
         launch_us: fixed cost per kernel.
+        floor_us: (kind, precision name) -> least time of such an op beyond ``launch_us``
+            (fitted; pairs not listed have none).
         source: where the factors come from (``"roofline"`` for the initial values,
             ``"fit:<profile>"`` after calibration); op costs carry it.
     """
@@ -75,6 +80,7 @@ class Roofline:
     memory_efficiency: Mapping[str, float] = field(hash=False)
     launch_us: float = DEFAULT_LAUNCH_US
     source: str = DEFAULT_SOURCE
+    floor_us: Mapping[tuple[str, str], float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name, table in (("compute", self.compute_efficiency),
@@ -88,6 +94,9 @@ class Roofline:
                                  f"got {table[bad[0]]}")
         if self.launch_us < 0:
             raise QSyncError(f"launch_us must be >= 0, got {self.launch_us}")
+        bad = [k for k, v in self.floor_us.items() if not v >= 0]
+        if bad:
+            raise QSyncError(f"floor_us of {bad[0]} must be >= 0, got {self.floor_us[bad[0]]}")
 
     def efficiency(self, kinds: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(compute, memory) efficiency per kind."""
@@ -102,13 +111,29 @@ class Roofline:
         Raises:
             QSyncError: if ``device`` does not run one of ``precisions``.
         """
+        work_us, floor_us = self._work_us(flops, nbytes, kinds, device, precisions)
+        busy = (flops > 0) | (nbytes > 0)
+        return np.where(busy, np.maximum(work_us, floor_us) + self.launch_us, 0.0)
+
+    def floored(self, flops: np.ndarray, nbytes: np.ndarray, kinds: Sequence[str],
+                device: DeviceSpec, precisions: Sequence["Precision | str"]) -> np.ndarray:
+        """Per op, whether its floor (a measured least time, ``floor_us``) and not its
+        work sets its roofline time."""
+        work_us, floor_us = self._work_us(flops, nbytes, kinds, device, precisions)
+        return floor_us > work_us
+
+    def _work_us(self, flops, nbytes, kinds, device, precisions) -> tuple[np.ndarray, np.ndarray]:
+        """Per op, the time its work takes at the efficiencies, and its floor (0: none)."""
         peak = _peaks(device, precisions)
         compute_eff, memory_eff = self.efficiency(kinds)
         compute_s = flops / (peak * compute_eff)
         memory_s = nbytes / (device.memory_bandwidth_Bps * memory_eff)
-        busy = (flops > 0) | (nbytes > 0)
-        return np.where(busy, np.maximum(compute_s, memory_s) * US_PER_SECOND + self.launch_us,
-                        0.0)
+        floor_us = np.zeros(len(kinds))
+        if self.floor_us:
+            names = {p: str(Precision.parse(p)) for p in set(precisions)}
+            floor_us = np.array([self.floor_us.get((k, names[p]), 0.0)
+                                 for k, p in zip(kinds, precisions)], float)
+        return np.maximum(compute_s, memory_s) * US_PER_SECOND, floor_us
 
     def for_device(self, device: DeviceSpec) -> "Roofline":
         """This roofline with ``device``'s catalog efficiencies in place of its factors

@@ -20,12 +20,17 @@ op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
 
 The model (a copy) and the batch run on ``device``, and the timer follows it
 (:func:`~qsync_lab.profile.timing.timer_for`): on the CPU each span is read off the host
-clock as it ends; on CUDA the same marks are CUDA events recorded on the stream around each
-op call and each autograd node (the hooks run on autograd's device thread, the events on
-the same stream as the kernels), and all of a step's spans are resolved once, after the
-synchronise that ends the step, so timing adds no stall between kernels. A CUDA span is
-the stream's time between its two events: the op's kernels, plus any time the GPU waited
-for the host to launch them (what the op costs the step when launches are the bottleneck).
+clock as it ends (the host runs the op: its time is the host's). On CUDA the host only
+issues the kernels, and an op costs a step two times, which eager PyTorch overlaps
+(:mod:`qsync_lab.simulate.schedule` combines them): the device's, CUDA events recorded on
+the stream around each op call and each autograd node (the hooks run on autograd's device
+thread, the events on the same stream as the kernels), all resolved once after the
+synchronise that ends the step; and the host's, the host clock inside those events
+(``*_host_us``). Between two events the stream would also wait for the host to launch
+the kernels, so each span is held first (:func:`~qsync_lab.profile.timing.hold_stream`)
+for twice the host time the same span took the step before, plus 20 µs
+(:data:`HOLD_FACTOR`, :data:`HOLD_SLACK_US`; the first step: :data:`FIRST_HOLD_US`):
+the op's kernels queue behind the hold and its events time the device alone.
 
 Example::
 
@@ -33,11 +38,11 @@ Example::
     >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     >>> t = time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
     ...                       nn.CrossEntropyLoss(), "bf16", steps=2, warmup=1)
-    >>> t.effective, bool((t.forward_us > 0).all())
-    (['bf16', 'bf16', 'bf16', 'fp32'], True)
+    >>> t.effective, bool((t.forward_us > 0).all()), bool(np.isnan(t.forward_host_us).all())
+    (['bf16', 'bf16', 'bf16', 'fp32'], True, True)
 
 On a GPU the same call with ``device="cuda"`` times the native low-precision kernels
-(their casts and quantize steps included) with CUDA events.
+(their casts and quantize steps included) with CUDA events, and the host issuing them.
 """
 
 import copy
@@ -54,7 +59,7 @@ from qsync_lab.graph.opgraph import _loss_root
 from qsync_lab.policy import OpPrecision
 from qsync_lab.precision import Precision
 from qsync_lab.profile.device import profile_device, to_device
-from qsync_lab.profile.timing import timer_for
+from qsync_lab.profile.timing import HostTimer, hold_stream, timer_for
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 
 __all__ = ["InStepTimes", "loss_root_on", "time_ops_in_steps"]
@@ -62,6 +67,12 @@ __all__ = ["InStepTimes", "loss_root_on", "time_ops_in_steps"]
 _CALLS = ("call_module", "call_function", "call_method")
 _NS_PER_US = 1e3
 _LR = 1e-4  # small: the timed steps see (nearly) the same weights
+#: a CUDA span is held for this many times the host time it took the step before ...
+HOLD_FACTOR = 2.0
+#: ... plus this, µs (the events' own host time)
+HOLD_SLACK_US = 20.0
+#: the hold of a span the step before did not time, µs
+FIRST_HOLD_US = 200.0
 
 
 @dataclass(frozen=True)
@@ -72,11 +83,15 @@ class InStepTimes:
         forward_us: each op's call.
         backward_us: each op's autograd nodes together (input and weight gradients).
         effective: the precision each op ran in (``fp32`` where it refused the one asked).
+        forward_host_us, backward_host_us: on CUDA, the host's time issuing the same
+            (NaN on the CPU, whose host runs the ops: their time is the host's).
     """
 
     forward_us: np.ndarray
     backward_us: np.ndarray
     effective: list[str]
+    forward_host_us: np.ndarray
+    backward_host_us: np.ndarray
 
 
 def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
@@ -95,7 +110,7 @@ def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
     taken = _set_precision(gm, precision)
     runner = _TimedRun(gm, precision, taken, device)
     optimizer = torch.optim.SGD(gm.parameters(), lr=_LR, momentum=0.9)
-    forward, backward, ops = [], [], None
+    samples, ops = [], None
     for step in range(warmup + steps):
         optimizer.zero_grad(set_to_none=True)
         runner.reset()
@@ -106,13 +121,12 @@ def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
             raise QSyncError("the op calls differ between training steps; the model's "
                              "forward must be deterministic in structure")
         ops = runner.ops
-        forward_ns, backward_ns = runner.times_ns()  # on CUDA: synchronises the step once
+        spans_ns = runner.times_ns()  # on CUDA: synchronises the step once
         if step >= warmup:
-            forward.append(forward_ns)
-            backward.append(backward_ns)
+            samples.append(spans_ns)
     effective = [str(precision) if name in taken else "fp32" for name in ops]
-    return InStepTimes(np.median(forward, axis=0) / _NS_PER_US,
-                       np.median(backward, axis=0) / _NS_PER_US, effective)
+    forward, backward, forward_host, backward_host = np.median(samples, axis=0) / _NS_PER_US
+    return InStepTimes(forward, backward, effective, forward_host, backward_host)
 
 
 def loss_root_on(model: nn.Module, loss_fn: nn.Module, example_inputs, target,
@@ -152,37 +166,70 @@ class _TimedRun(fx.Interpreter):
         self.functional = OpPrecision.parse(precision)
         self.taken = taken
         self.device = device
+        self._issued_ns: list[int] = []  # host ns of each span of the step, in begin order
         self.reset()
 
     def reset(self) -> None:
-        """Forget the last step: op names, their timed spans and the hooked nodes."""
+        """Forget the last step: op names, their timed spans and the hooked nodes (its
+        host times size this step's holds)."""
         self.ops: list[str] = []
         self.timer = timer_for(self.device)
+        self.host = None if isinstance(self.timer, HostTimer) else HostTimer()  # CUDA
+        self._last_issued_ns, self._issued_ns = self._issued_ns, []
         self._owned: set = set()
         self._started: dict = {}
 
-    def times_ns(self) -> tuple[list, list]:
-        """The last step's forward and backward time of each op, ns."""
-        totals = self.timer.totals_ns()
-        return ([totals[("forward", i)] for i in range(len(self.ops))],
-                [totals.get(("backward", i), 0) for i in range(len(self.ops))])
+    def times_ns(self) -> np.ndarray:
+        """The last step's forward and backward time of each op, then their host times
+        (NaN off CUDA), ns: four rows."""
+        phases = ("forward", "backward")
+        device = self.timer.totals_ns()
+        rows = [[device.get((phase, i), 0) for i in range(len(self.ops))] for phase in phases]
+        host = self.host.totals_ns() if self.host is not None else None
+        rows += [[host.get((phase, i), 0) if host is not None else np.nan
+                  for i in range(len(self.ops))] for phase in phases]
+        return np.array(rows, float)
 
     def run_node(self, n: fx.Node):
         if n.op not in _CALLS:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        begin = self.timer.mark()
+        begin = self._begin()
         if n.op != "call_module" and n.name in self.taken:
             out = low_precision_call(_function_name(n), args, kwargs, self.functional, (0, 1))
         else:
             out = getattr(self, n.op)(n.target, args, kwargs)
-        end = self.timer.mark()
+        end = self._end(begin)
         tensors = _tensors(out)
         if tensors:
-            self.timer.add(("forward", len(self.ops)), begin, end)
+            self._add(("forward", len(self.ops)), begin, end)
             self.ops.append(n.name)
             self._hook_new_nodes(tensors, len(self.ops) - 1)
         return out
+
+    def _begin(self) -> tuple:
+        """The marks opening a span: (device, host, span number); on CUDA the stream is
+        held first (module docstring)."""
+        if self.host is None:
+            return self.timer.mark(), None, None
+        index, last = len(self._issued_ns), self._last_issued_ns
+        self._issued_ns.append(0)
+        hold_stream(self.device, HOLD_FACTOR * last[index] / _NS_PER_US + HOLD_SLACK_US
+                    if index < len(last) else FIRST_HOLD_US)
+        return self.timer.mark(), self.host.mark(), index
+
+    def _end(self, begin: tuple) -> tuple:
+        """The marks closing the span ``begin`` opened: (device, host)."""
+        if self.host is None:
+            return self.timer.mark(), None
+        host_end = self.host.mark()
+        self._issued_ns[begin[2]] = host_end - begin[1]
+        return self.timer.mark(), host_end
+
+    def _add(self, key, begin: tuple, end: tuple) -> None:
+        self.timer.add(key, begin[0], end[0])
+        if self.host is not None:
+            self.host.add(key, begin[1], end[1])
 
     def _hook_new_nodes(self, outputs: Sequence[torch.Tensor], index: int) -> None:
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -197,13 +244,13 @@ class _TimedRun(fx.Interpreter):
 
     def _pre_hook(self, node):
         def hook(grad_outputs):
-            self._started[node] = self.timer.mark()
+            self._started[node] = self._begin()
         return hook
 
     def _post_hook(self, node, index: int):
         def hook(grad_inputs, grad_outputs):
-            end = self.timer.mark()
-            self.timer.add(("backward", index), self._started.pop(node), end)
+            begin = self._started.pop(node)
+            self._add(("backward", index), begin, self._end(begin))
         return hook
 
 

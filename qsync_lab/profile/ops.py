@@ -9,7 +9,8 @@ measured step's forward and backward more closely than those of ops timed alone.
 
 Both run on ``device``: the CPU (host clock), or a CUDA GPU (``device="cuda"``: a copy of
 the model and the batch are moved there, the ops run the runtime's native CUDA path, and
-every span is timed with CUDA events, :mod:`qsync_lab.profile.timing`). The rows are named
+every span is timed with CUDA events, :mod:`qsync_lab.profile.timing`; ``in_step`` rows
+also carry ``host_us``, the host's time issuing the op, NaN elsewhere). The rows are named
 after the device (:func:`~qsync_lab.profile.device.profile_device_name`: ``cpu``, or the
 GPU's catalog kind such as ``H100-SXM5-80GB``), so a cost model attributes them to it.
 
@@ -62,6 +63,7 @@ On a GPU, ``profile_ops(..., device="cuda")`` writes the same rows, named after 
 """
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -164,21 +166,21 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
             phases = _phases_with_work(phase_of, i, p)
             if not phases:
                 continue
-            for phase, time_us in times(i, p, phases).items():
+            for phase, (time_us, host_us) in times(i, p, phases).items():
                 q = p if phase == "forward" else DEFAULT_BACKWARD[p]
                 flops, nbytes = phase_of(q, phase)
                 rows.append({"device": device_name, "op": work.names[i], "kind": work.kinds[i],
                              "shape_key": shape_key(work, i, batch), "precision": str(q),
                              "plan_precision": str(p), "phase": phase, "batch_size": batch,
                              "numel": 0, "flops": float(flops[i]), "bytes": float(nbytes[i]),
-                             "time_us": time_us, "repeats": repeats})
+                             "time_us": time_us, "repeats": repeats, "host_us": host_us})
     bar.close()
     return pd.DataFrame(rows, columns=list(PROFILE_COLUMNS))
 
 
 def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmup, device):
-    """``times(i, precision, phases) -> {phase: µs}`` measured one op at a time on
-    ``device``."""
+    """``times(i, precision, phases) -> {phase: (µs, nan)}`` measured one op at a time on
+    ``device`` (no host times: each repeat is timed to its end)."""
     calls = _capture(model, example_inputs, target, loss_fn, device)
     if len(calls) != len(work):
         raise QSyncError(f"captured {len(calls)} op calls but the graph has {len(work)} ops; "
@@ -186,24 +188,25 @@ def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmu
     overhead_us = autograd_call_overhead_us(repeats=repeats, warmup=warmup, device=device)
     timed: dict[tuple[int, str], dict[str, float]] = {}
 
-    def times(i: int, p: Precision, phases: list[str]) -> dict[str, float]:
+    def times(i: int, p: Precision, phases: list[str]) -> dict[str, tuple[float, float]]:
         op = _runnable(calls[i], p)
         key = (i, op.effective)  # an op that refuses p runs fp32: one measurement serves
         if key not in timed:
             timed[key] = op.time_phases(phases, repeats=repeats, warmup=warmup,
                                         overhead_us=overhead_us, device=device)
-        return {phase: t for phase, t in timed[key].items() if phase in phases}
+        return {phase: (t, math.nan) for phase, t in timed[key].items() if phase in phases}
 
     return times
 
 
 def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, warmup, device):
-    """``times(i, precision, phases) -> {phase: µs}`` measured inside training steps on
-    ``device``, one run of steps per precision; the backward split by the phases' FLOPs."""
+    """``times(i, precision, phases) -> {phase: (µs, host µs)}`` measured inside training
+    steps on ``device``, one run of steps per precision; the backward split by the phases'
+    FLOPs (host µs: NaN off CUDA)."""
     runs: dict[Precision, InStepTimes] = {}
     n = len(phase_of.work)
 
-    def times(i: int, p: Precision, phases: list[str]) -> dict[str, float]:
+    def times(i: int, p: Precision, phases: list[str]) -> dict[str, tuple[float, float]]:
         if p not in runs:
             runs[p] = time_ops_in_steps(model, example_inputs, target, loss_fn, p,
                                         steps=repeats, warmup=warmup, device=device)
@@ -211,13 +214,15 @@ def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, wa
                 raise QSyncError(f"a training step ran {len(runs[p].effective)} op calls but "
                                  f"the graph has {n} ops")
         run = runs[p]
-        out = {"forward": float(run.forward_us[i])} if "forward" in phases else {}
+        out = ({"forward": (float(run.forward_us[i]), float(run.forward_host_us[i]))}
+               if "forward" in phases else {})
         backward = [ph for ph in phases if ph != "forward"]
         q = DEFAULT_BACKWARD[p]
         flops = [phase_of(q, ph)[0][i] for ph in backward]
         total = sum(flops)
         for phase, f in zip(backward, flops):
-            out[phase] = float(run.backward_us[i]) * f / total
+            out[phase] = (float(run.backward_us[i]) * f / total,
+                          float(run.backward_host_us[i]) * f / total)
         return out
 
     return times

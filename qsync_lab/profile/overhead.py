@@ -6,8 +6,11 @@ the loss call, the optimizer's per-step work) and a cost per op event (one forwa
 input-gradient or weight-gradient phase: the engine scheduling a backward node, minus
 what the isolated timing over-counts, so it may come out negative). Both are
 fitted as a line: for a family of calibration MLPs of growing depth, the median measured
-step minus the sum of the model's profile rows, against the number of rows. The models
-are never the ones being predicted (held out), and nothing is pasted by hand.
+step minus what the model's profile rows take (:func:`rows_step_us`), against the number
+of rows. The models are never the ones being predicted (held out), and nothing is pasted
+by hand. On a GPU the rows carry host times and the calibration MLPs' small ops are
+host-bound: the per-event cost is then the host's work between two ops (module calls,
+the autograd engine), which the simulator adds to each op's host time.
 
 The fit travels in a profile's metadata (``step_overhead_us`` and ``event_overhead_us``),
 and the cost model applies it to the ranks whose op times are measured
@@ -54,8 +57,8 @@ from qsync_lab.profile.timing import median_time_us
 
 __all__ = ["EVENT_OVERHEAD_KEY", "OP_OVERHEAD_PREFIX", "STEP_OVERHEAD_KEY",
            "ddp_calibrated_metadata", "fit_step_overhead", "measured_step_overhead_metadata",
-           "model_step_overhead_metadata", "step_overhead_metadata", "time_ddp_training_steps",
-           "time_training_step", "uniform_op_precisions"]
+           "model_step_overhead_metadata", "rows_step_us", "step_overhead_metadata",
+           "time_ddp_training_steps", "time_training_step", "uniform_op_precisions"]
 
 EVENT_OVERHEAD_KEY = "event_overhead_us"
 STEP_OVERHEAD_KEY = "step_overhead_us"
@@ -111,8 +114,25 @@ def _fit_once(depths, width: int, batch_size: int, repeats: int, warmup: int,
 
         step_us = median_time_us(step, repeats=repeats, warmup=warmup, device=device)
         events.append(len(rows))
-        residual_us.append(step_us - float(rows["time_us"].sum()))
+        residual_us.append(step_us - rows_step_us(rows))
     return fit_line(events, residual_us)
+
+
+def rows_step_us(rows: pd.DataFrame) -> float:
+    """What the ops of profile ``rows`` take in a step: their times back to back, or their
+    host times (``host_us``, a GPU's) where issuing them takes longer. The simulator's
+    eager stream (:mod:`qsync_lab.simulate.schedule`) gives this where one of the two
+    paces the whole step, as in the calibration MLPs.
+
+    Example::
+
+        >>> rows_step_us(pd.DataFrame({"time_us": [5.0, 5.0], "host_us": [20.0, 20.0]}))
+        40.0
+        >>> rows_step_us(pd.DataFrame({"time_us": [5.0, 5.0], "host_us": [float("nan")] * 2}))
+        10.0
+    """
+    host_us = rows["host_us"].sum() if "host_us" in rows else 0.0  # older frames: none
+    return float(max(rows["time_us"].sum(), host_us))
 
 
 def step_overhead_metadata(fit: LineFit) -> dict[str, str]:
@@ -250,8 +270,7 @@ def measured_step_overhead_metadata(frames, model: nn.Module, optimizer: str,
     optimizer_us = CostModel.from_profiles(data_file("profiles", "cpu.csv")).optimizer_time_us(
         param_bytes, optimizer, load_catalog().device(device)).us
     steps_us = [frame.attrs["training_step_us"] for frame in frames]
-    rows_us = [float(frame.loc[frame["precision"] == "fp32", "time_us"].sum())
-               for frame in frames]
+    rows_us = [rows_step_us(frame[frame["precision"] == "fp32"]) for frame in frames]
     return model_step_overhead_metadata(statistics.fmean(steps_us), statistics.fmean(rows_us),
                                         optimizer_us)
 

@@ -10,7 +10,11 @@ A timer times spans of work between marks and sums them per key:
   until :meth:`CudaEventTimer.totals_ns`, which synchronises the device once and resolves
   every span with ``elapsed_time``: timing never stalls the stream in between.
 
-:func:`timer_for` picks one by the device the work runs on. :func:`median_time_us` times
+:func:`timer_for` picks one by the device the work runs on. A CUDA span times what the
+stream did between its events: the kernels, and any wait for the host to launch them. To
+time the device alone, :func:`hold_stream` first keeps the stream busy for longer than
+the host takes to issue the work (a spin kernel): the work then queues behind it and
+runs back to back. :func:`median_time_us` times
 one call per repeat with it (a CUDA repeat is synchronised once, after its end event);
 warm-up calls are run first and discarded; the result is the median of ``repeats`` timed
 calls.
@@ -37,6 +41,7 @@ Example::
 """
 
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -49,11 +54,12 @@ import torch
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["CudaEventTimer", "HostTimer", "intra_op_threads", "median_time_us", "run_metadata",
-           "spawned_numba_threads", "timer_for"]
+__all__ = ["CudaEventTimer", "HostTimer", "hold_stream", "intra_op_threads", "median_time_us",
+           "run_metadata", "spawned_numba_threads", "timer_for"]
 
 _NS_PER_US = 1e3
 _NS_PER_MS = 1e6
+_SPIN_CYCLES = 1_000_000  # the spin kernel that measures the device's cycles per µs
 
 
 @contextmanager
@@ -151,6 +157,29 @@ def timer_for(device: "torch.device | str") -> "HostTimer | CudaEventTimer":
     """A :class:`CudaEventTimer` for a CUDA device, else a :class:`HostTimer`."""
     device = torch.device(device)
     return CudaEventTimer(device) if device.type == "cuda" else HostTimer()
+
+
+def hold_stream(device: "torch.device | str", us: float) -> None:
+    """Keep CUDA ``device``'s current stream busy for about ``us`` µs (a spin kernel,
+    ``torch.cuda._sleep``), so that work issued meanwhile queues behind it: CUDA events
+    around that work then time the device alone, not the host's launches. Nothing for
+    ``us <= 0``."""
+    if us > 0:
+        device = torch.device(device)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(int(us * _spin_cycles_per_us(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _spin_cycles_per_us(device: torch.device) -> float:
+    """Clock cycles per µs of ``torch.cuda._sleep`` on ``device``, measured once."""
+    timer = CudaEventTimer(device)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(_SPIN_CYCLES)  # warm-up
+        begin = timer.mark()
+        torch.cuda._sleep(_SPIN_CYCLES)
+        timer.add(None, begin, timer.mark())
+    return _SPIN_CYCLES / (timer.totals_ns()[None] / _NS_PER_US)
 
 
 def median_time_us(fn: Callable[[], object], *, repeats: int = 20, warmup: int = 3,

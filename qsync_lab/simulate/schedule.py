@@ -1,6 +1,6 @@
-"""The compute stream of one rank: forward, casts and backward, back to back.
+"""The compute stream of one rank: forward, casts and backward, in order.
 
-Order of events (one compute stream, so each starts when the previous one ends):
+Order of events (one compute stream, so each starts once the previous one ends):
 
 * forward, ops in graph order: for an op whose inputs arrive in another storage precision,
   one cast per source precision (``cast:<op>:<src>-><dst>``, data inputs are fp32); for a
@@ -26,6 +26,19 @@ rank's op times are measured, the fitted framework costs apply: a ``framework`` 
 ``CostModel.event_overhead_us`` (a measured forward computed in a low precision also
 ``CostModel.precision_op_overhead_us``).
 
+Where the profile measured a GPU's host times (:meth:`CostModel.op_host_times_us`), the
+stream runs as eager PyTorch runs it: the host issues the events one after the other,
+each taking its host time, and the device starts an event once the host has started
+issuing it and the device has finished the one before: ``start[i] = max(issue[i],
+end[i-1])``, ``issue[i+1] = issue[i] + host[i]``. A host slower than the device (small
+ops, many kernels) then sets the pace, a device slower than the host does, and the
+stream ends when both are done. The fitted framework costs are host work there (the
+``framework`` event's host time is its duration; the per-event overheads are added to
+the host times). Events without a host time (casts, DDP's copies, the CPU's ops, old
+profiles) take none: back to back, as before; an op costed from the least time of its
+kind (source ``floor:…``, :func:`~qsync_lab.costs.calibrate_efficiency`) holds its casts
+as a measured one.
+
 Example::
 
     >>> import torch, torch.nn as nn
@@ -50,6 +63,11 @@ named only when first read::
     >>> again = builder.timeline(resolve_precisions(work, {"1": "fp16"}, t4))
     >>> again.dur_us.tolist() == line.dur_us.tolist()
     True
+
+Host times change the starts, not the durations (:func:`eager_starts`)::
+
+    >>> eager_starts(np.array([5.0, 5.0, 30.0]), np.array([20.0, 20.0, 10.0]))
+    (array([ 0., 20., 40.]), 70.0)
 """
 
 import functools
@@ -66,26 +84,29 @@ from qsync_lab.simulate.events import StreamEvents
 from qsync_lab.policy import PrecisionAssignment, storage_precision
 from qsync_lab.simulate.sync import DdpWork, copy_time_us
 
-__all__ = ["ComputeTimeline", "TimelineBuilder", "compute_timeline"]
+__all__ = ["ComputeTimeline", "TimelineBuilder", "compute_timeline", "eager_starts"]
 
 _FP32_BYTES = 4
 
 
 class _Segment:
     """Consecutive events: rows ``[op, fqn, category, phase, precision, plan, bytes,
-    source]`` with their durations, and the buckets packed by its events (per bucket, its
-    pack's position in the segment)."""
+    source]`` with their durations and host times, and the buckets packed by its events
+    (per bucket, its pack's position in the segment)."""
 
-    __slots__ = ("rows", "dur_us", "packs")
+    __slots__ = ("rows", "dur_us", "host_us", "packs")
 
     def __init__(self) -> None:
         self.rows: list[list] = []
         self.dur_us: list[float] = []
+        self.host_us: list[float] = []
         self.packs: list[tuple[int, int]] = []
 
-    def add(self, op, fqn, category, phase, precision, plan, dur_us, nbytes, source) -> None:
+    def add(self, op, fqn, category, phase, precision, plan, dur_us, nbytes, source,
+            host_us: float = 0.0) -> None:
         self.rows.append([op, fqn, category, phase, precision, plan, nbytes, source])
         self.dur_us.append(dur_us)
+        self.host_us.append(host_us)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,13 +114,16 @@ class ComputeTimeline:
     """The compute stream of one (device kind, batch size, plan) class of ranks.
 
     Attributes:
-        dur_us: per event, its duration (the events run back to back from 0).
+        dur_us: per event, its duration.
+        start_us: per event, its start (back to back from 0 without host times,
+            :func:`eager_starts`).
         bucket_ready_us: per DDP bucket, when it is packed and ready for its allreduce
             (empty on one rank).
-        backward_end_us: end of the last backward event.
+        backward_end_us: when the last backward event ends and the host has issued it.
     """
 
     dur_us: np.ndarray
+    start_us: np.ndarray
     bucket_ready_us: np.ndarray
     backward_end_us: float
     _segments: tuple[_Segment, ...] = field(repr=False)
@@ -107,13 +131,13 @@ class ComputeTimeline:
 
     @functools.cached_property
     def events(self) -> StreamEvents:
-        """The events, back to back from 0."""
+        """The events, in stream order."""
         rows = [row for segment in self._segments for row in segment.rows]
         if not rows:
             return StreamEvents.empty()
         op, fqn, category, phase, precision, plan, nbytes, source = zip(*rows)
         return StreamEvents.from_lists(op, fqn, category, phase, precision, plan, source,
-                                       _starts(self.dur_us), self.dur_us, nbytes)
+                                       self.start_us, self.dur_us, nbytes)
 
     @property
     def busy_us(self) -> float:
@@ -163,7 +187,7 @@ class TimelineBuilder:
         step_overhead = costs.step_overhead_us.get(device.name, 0.0)
         if step_overhead > 0:
             self._framework.add("framework", "", "framework", "forward", "", "",
-                                step_overhead, 0.0, "fit:step overhead")
+                                step_overhead, 0.0, "fit:step overhead", host_us=step_overhead)
         self._backward_order = self._backward_slots(ddp)
 
     def timeline(self, assignment: PrecisionAssignment, *, base: ComputeTimeline | None = None,
@@ -197,24 +221,32 @@ class TimelineBuilder:
         """Whether the framework cost opens the iteration: it is fitted and some op's
         forward time is measured."""
         return bool(self._framework.rows) and any(
-            self._phase("forward", p, p)[3][i] for i, p in enumerate(fwd))
+            self._phase("forward", p, p)[2][i].startswith("profile:") for i, p in enumerate(fwd))
 
     def _phase(self, phase: str, precision: Precision, plan: Precision) -> tuple:
-        """Per op: (time, source, bytes, casts inside) of ``phase`` computed in
+        """Per op: (time, host time, source, bytes, casts inside) of ``phase`` computed in
         ``precision`` for an op planned in ``plan``."""
         key = (phase, precision, plan)
         if key not in self._phases:
-            work, costs, n = self.work, self.costs, len(self.work)
-            times, sources = costs.op_times_us(work, [precision] * n, self.device,
+            work, costs, device, n = self.work, self.costs, self.device, len(self.work)
+            times, sources = costs.op_times_us(work, [precision] * n, device,
                                                batch_size=self.batch_size, phase=phase,
                                                plan_precisions=[plan] * n)
+            host = costs.op_host_times_us(work, device, batch_size=self.batch_size,
+                                          phase=phase, plan_precisions=[plan] * n)
             _, nbytes = phase_work(work, [precision] * n, phase, batch_size=self.batch_size)
             measured = np.array([s.startswith("profile:") for s in sources], bool)
-            overhead = costs.event_overhead_us.get(self.device.name, 0.0)
+            whole = measured | np.array([s.startswith("floor:") for s in sources], bool)
+            overhead = costs.event_overhead_us.get(device.name, 0.0)
             if phase == "forward":
-                overhead += costs.precision_op_overhead_us.get((self.device.name, precision), 0.0)
-            times = np.where(measured & (times > 0), np.maximum(times + overhead, 0.0), times)
-            self._phases[key] = (times, sources, nbytes, measured & costs.casts_in_measured_ops)
+                overhead += costs.precision_op_overhead_us.get((device.name, precision), 0.0)
+            # the overheads are the framework's work: the host's where the op has a host time
+            hosted = ~np.isnan(host) & (times > 0)
+            times = np.where(measured & (times > 0) & ~hosted, np.maximum(times + overhead, 0.0),
+                             times)
+            host = np.where(hosted, np.maximum(host + overhead, 0.0), 0.0)
+            self._phases[key] = (times, host, sources, nbytes,
+                                 whole & costs.casts_in_measured_ops)
         return self._phases[key]
 
     def _op_segments(self, i: int, p: Precision, q: Precision, outs: tuple[Precision, ...],
@@ -235,7 +267,7 @@ class TimelineBuilder:
                          input_casts: dict[Precision, float]) -> _Segment:
         """Op ``i``'s forward events: its input casts, its weight cast and the op."""
         work, scale, fqn = self.work, self._scale, self.work.names[i]
-        times, sources, nbytes, casts_inside = self._phase("forward", p, p)
+        times, host, sources, nbytes, casts_inside = self._phase("forward", p, p)
         stored = storage_precision(p)
         segment = _Segment()
         if not casts_inside[i]:
@@ -247,7 +279,7 @@ class TimelineBuilder:
                        "forward", p)
         if times[i] > 0:
             segment.add(fqn, fqn, "op", "forward", str(p), str(p), times[i], nbytes[i],
-                        sources[i])
+                        sources[i], host[i])
         return segment
 
     def _backward_segment(self, i: int, p: Precision, q: Precision,
@@ -255,9 +287,9 @@ class TimelineBuilder:
         """Op ``i``'s backward events (forward in ``p``, backward in ``q``)."""
         work, scale, fqn = self.work, self._scale, self.work.names[i]
         stored_q = storage_precision(q)
-        input_us, input_source, input_bytes, input_inside = (
+        input_us, input_host, input_source, input_bytes, input_inside = (
             column[i] for column in self._phase("backward_input", q, p))
-        weight_us, weight_source, weight_bytes, weight_inside = (
+        weight_us, weight_host, weight_source, weight_bytes, weight_inside = (
             column[i] for column in self._phase("backward_weight", q, p))
         segment = _Segment()
         if p is Precision.INT8 and (input_us > 0 or weight_us > 0) and not (
@@ -269,13 +301,13 @@ class TimelineBuilder:
                        "backward", p)
         if input_us > 0:
             segment.add(fqn, fqn, "op", "backward_input", str(q), str(p), input_us,
-                        input_bytes, input_source)
+                        input_bytes, input_source, input_host)
         if not input_inside:
             for src, numel in input_casts.items():
                 self._cast(segment, fqn, "grad:", stored_q, src, numel, "backward", p)
         if weight_us > 0:
             segment.add(fqn, fqn, "op", "backward_weight", str(q), str(p), weight_us,
-                        weight_bytes, weight_source)
+                        weight_bytes, weight_source, weight_host)
             if not weight_inside:
                 self._cast(segment, fqn, "weight_grad:", stored_q, Precision.FP32,
                            work.weight_numel[i], "backward", p)
@@ -320,19 +352,37 @@ class TimelineBuilder:
 
 def _assemble(segments: tuple[_Segment, ...],
               ops: tuple[tuple[_Segment, _Segment], ...]) -> ComputeTimeline:
-    """The timeline of ``segments`` run back to back (``ops``: each op's, for re-use)."""
+    """The timeline of ``segments`` run in order (``ops``: each op's, for re-use)."""
     durations: list[float] = []
+    hosts: list[float] = []
     ready: dict[int, int] = {}
     for segment in segments:
         for k, position in segment.packs:
             ready[k] = len(durations) + position
         durations.extend(segment.dur_us)
+        hosts.extend(segment.host_us)
     dur_us = np.array(durations, float)
-    ends = np.concatenate(([0.0], _starts(dur_us) + dur_us)) if len(dur_us) else np.zeros(1)
+    start_us, end_us = eager_starts(dur_us, np.array(hosts, float))
+    ends = np.concatenate(([0.0], start_us + dur_us))  # a pack's mark: the position after it
     marks = np.array([ready[k] for k in range(len(ready))], dtype=np.int64)
-    return ComputeTimeline(dur_us, ends[marks], float(ends[-1]), segments, ops)
+    return ComputeTimeline(dur_us, start_us, ends[marks], end_us, segments, ops)
 
 
-def _starts(dur_us: np.ndarray) -> np.ndarray:
-    """Start of each of back-to-back events."""
-    return np.concatenate(([0.0], np.cumsum(dur_us)[:-1]))
+def eager_starts(dur_us: np.ndarray, host_us: np.ndarray) -> tuple[np.ndarray, float]:
+    """Start of each event of a stream whose host issues event ``i`` for ``host_us[i]``
+    and whose device runs it for ``dur_us[i]`` once the host has started issuing it and
+    the device has finished the event before (module docstring); and when both are done.
+    All host times 0: back to back. ``end[i] = max over j <= i of (issue[j] + dur[j] +
+    ... + dur[i])``, a running maximum.
+
+    Example::
+
+        >>> eager_starts(np.array([1.0, 2.0]), np.zeros(2))
+        (array([0., 1.]), 3.0)
+    """
+    if not len(dur_us):
+        return dur_us.copy(), 0.0
+    issue = np.concatenate(([0.0], np.cumsum(host_us)[:-1]))
+    done_before = np.concatenate(([0.0], np.cumsum(dur_us)[:-1]))
+    start_us = np.maximum.accumulate(issue - done_before) + done_before
+    return start_us, float(max(start_us[-1] + dur_us[-1], issue[-1] + host_us[-1]))

@@ -158,3 +158,73 @@ def test_from_profiles_calibrates_and_fits_casts(wide, tmp_path):
     reverse = model.cast_time_us(5e6, "fp16", "fp32", t4)
     assert reverse.us == pytest.approx(CostModel().cast_time_us(5e6, "fp16", "fp32", t4).us)
     assert np.isclose(model.cast_time_us(0, "fp32", "fp16", t4).us, 2.0)
+
+
+def test_a_profile_without_host_times_reads_as_before(work, tmp_path):
+    """Profiles written before the ``host_us`` column: no host term anywhere."""
+    path = tmp_path / "old.csv"
+    pd.DataFrame([_row(op="0", time_us=7.5)]).to_csv(path, index=False)
+    table = read_profile(path)
+    assert table.frame["host_us"].isna().all() and table.op_time_us(
+        "T4", "0", "fp16", "forward", 32) == 7.5
+    assert table.op_host_us("T4", "0", "fp16", "forward", 32) is None
+    model = CostModel.from_profiles(path)
+    t4 = load_catalog().device("T4")
+    host = model.op_host_times_us(work, t4, batch_size=32, phase="forward",
+                                  plan_precisions=["fp16"] * 3)
+    assert np.isnan(host).all()
+    write_profile(tmp_path / "again.csv", table.frame)  # written back: an empty column
+    assert read_profile(tmp_path / "again.csv").frame["host_us"].isna().all()
+    pd.DataFrame([_row(op="0", host_us=-3.0)]).to_csv(path, index=False)
+    with pytest.raises(QSyncError, match="host_us must be empty or a number >= 0"):
+        read_profile(path)
+
+
+def test_host_times_match_like_op_times_else_the_median_of_the_kind(work, tmp_path):
+    h100 = load_catalog().device("H100-SXM5-80GB")
+    key = shape_key(work, 0, 32)
+    rows = [_row(device=h100.name, op="", shape_key=key, time_us=5.0, host_us=h)
+            for h in (30.0, 50.0)]  # the same shapes timed twice: the mean
+    rows.append(_row(device=h100.name, kind="activation", op="1", time_us=2.0, host_us=10.0))
+    write_profile(tmp_path / "gpu.csv", pd.DataFrame(rows))
+    model = CostModel.from_profiles(tmp_path / "gpu.csv")
+    host = model.op_host_times_us(work, h100, batch_size=32, phase="forward",
+                                  plan_precisions=["fp16"] * 3)
+    # op 0 by its shapes; op 1 its own row; op 2 (no row) the median linear
+    assert host.tolist() == [40.0, 10.0, 40.0]
+    at_64 = model.op_host_times_us(work, h100, batch_size=64, phase="forward",
+                                   plan_precisions=["fp16"] * 3)
+    assert at_64.tolist() == [40.0, 10.0, 40.0]  # issuing an op costs the same at any size
+    other_phase = model.op_host_times_us(work, h100, batch_size=32, phase="backward_input",
+                                         plan_precisions=["fp16"] * 3)
+    assert np.isnan(other_phase).all()
+
+
+def test_an_unmeasured_op_on_a_host_bound_gpu_costs_the_larger_of_its_work_and_the_floor(
+        wide, tmp_path):
+    """A GPU profile's small ops take the host's time whatever their work (here 150 us):
+    fitted through them, the roofline's efficiencies would fall a hundredfold and a large
+    op it did not measure would cost a hundred times its catalog time. The floor model
+    keeps the catalog's efficiencies and costs small unmeasured ops at the floor."""
+    h200 = load_catalog().device("H200-SXM-141GB")
+    rows = []
+    for batch in (1, 8, 64):
+        flops, nbytes = phase_work(wide, ["bf16"] * 3, "forward", batch_size=batch)
+        rows.append(_row(device=h200.name, op="0", precision="bf16", batch_size=batch,
+                         flops=flops[0], bytes=nbytes[0], time_us=150.0))
+    write_profile(tmp_path / "gpu.csv", pd.DataFrame(rows))
+    model = CostModel.from_profiles(tmp_path / "gpu.csv")
+    roof = model.roofline_for(h200)
+    assert roof.compute_efficiency["linear"] == CostModel().roofline_for(h200).compute_efficiency[
+        "linear"]
+    assert roof.floor_us[("linear", "bf16")] == pytest.approx(145.0)  # beyond the launch
+    for batch in (32, 262144):  # op 2: not measured
+        catalog = CostModel().op_time_us(wide, "2", "bf16", h200, batch_size=batch)
+        cost = model.op_time_us(wide, "2", "bf16", h200, batch_size=batch)
+        assert cost.us == pytest.approx(max(catalog.us, 150.0))
+    assert model.op_time_us(wide, "2", "bf16", h200, batch_size=32).source == (
+        "floor:profile:gpu.csv")
+    assert model.op_time_us(wide, "2", "bf16", h200, batch_size=262144).source == (
+        "fit:profile:gpu.csv")
+    assert model.op_time_us(wide, "2", "fp32", h200, batch_size=32).source == (
+        "fit:profile:gpu.csv")  # no floor measured in fp32

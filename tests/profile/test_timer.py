@@ -98,6 +98,7 @@ def test_in_step_timing_with_cuda_events_syncs_once_per_step(fake_cuda, monkeypa
     """The in-step bookkeeping with CUDA events (ops run on the CPU, timed by the fake
     clock): each op's call is one 1 ms span, each autograd node it created another."""
     monkeypatch.setattr(in_step, "timer_for", lambda device: CudaEventTimer("cuda"))
+    monkeypatch.setattr(in_step, "hold_stream", lambda device, us: None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     steps, warmup = 2, 1
@@ -110,6 +111,26 @@ def test_in_step_timing_with_cuda_events_syncs_once_per_step(fake_cuda, monkeypa
     assert all(us > 0 and us % 1000 == 0 for us in t.backward_us)  # whole nodes, per op
     elapsed_per_step = fake_cuda.count("elapsed") // (steps + warmup)
     assert elapsed_per_step == len(t.forward_us) + sum(t.backward_us) / 1000
+
+
+def test_cuda_spans_also_time_the_host_and_are_held_as_long_as_it_took(fake_cuda,
+                                                                       monkeypatch):
+    """On CUDA each span also reads the host clock inside its two events (the host's time
+    issuing the op, ``*_host_us``), and before its first event the stream is held for
+    twice the host time the same span took the step before, plus the slack."""
+    monkeypatch.setattr(in_step, "timer_for", lambda device: CudaEventTimer("cuda"))
+    holds = []
+    monkeypatch.setattr(in_step, "hold_stream", lambda device, us: holds.append(us))
+    clock = itertools.count(step=3_000)  # each host clock read: 3 µs later
+    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(clock))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    t = in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
+                                  nn.CrossEntropyLoss(), "fp32", steps=1, warmup=1)
+    assert t.forward_host_us.tolist() == [3.0] * 4  # two reads, one tick apart
+    assert all(us > 0 and us % 3 == 0 for us in t.backward_host_us)
+    spans = len(holds) // 2
+    assert holds[:spans] == [in_step.FIRST_HOLD_US] * spans  # the first step knows nothing
+    assert holds[spans:] == [in_step.HOLD_FACTOR * 3.0 + in_step.HOLD_SLACK_US] * spans
 
 
 def test_gpu_names_map_to_catalog_kinds():
@@ -171,6 +192,8 @@ def test_a_gpu_profile_has_every_precision_and_phase(tmp_path):
         mine = ops[ops["plan_precision"] == precision]
         assert set(mine["phase"]) == {"forward", "backward_input", "backward_weight"}
         assert (mine["time_us"] > 0).all()
+    assert (ops["host_us"] > 0).all()  # the host's time issuing each op
+    assert rows.loc[rows["phase"] == "cast", "host_us"].isna().all()
     assert (rows.loc[rows["phase"] == "cast", "time_us"] > 0).all()
     if name in load_catalog().devices:  # the cost model attributes the rows to that kind
         assert load_cost_model(out).profiles[0].op_time_us(name, "0", "bf16", "forward",
