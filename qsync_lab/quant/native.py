@@ -93,16 +93,28 @@ def runs_native(t: torch.Tensor) -> bool:
     return _current == "native" or (_current == "auto" and t.is_cuda)
 
 
-@contextlib.contextmanager
-def tf32_math(on: bool) -> Iterator[None]:
-    """Let cuBLAS and cuDNN use TF32 for fp32 products (``on``) or not, then restore."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    before = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = on
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = before
+class tf32_math:
+    """Context manager: let cuBLAS and cuDNN use TF32 for fp32 products (``on``) or not,
+    then restore (a class, not a generator: it wraps every native float op)."""
+
+    __slots__ = ("on", "before")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        self.before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        if self.before != (self.on, self.on):
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
+
+    def __exit__(self, *exc) -> None:
+        if self.before != (self.on, self.on):
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.before
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (itself when it already is: no dispatch)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def fp32_inputs(module, args: tuple) -> tuple:
@@ -126,7 +138,8 @@ def native_bilinear(kernel: BilinearKernel, a: torch.Tensor, b: torch.Tensor,
     if forward is cfg.backward_precision and forward is not Precision.TF32 and \
             forward in _FLOAT_DTYPES:  # autograd's own backward, in the same dtype
         dtype = _FLOAT_DTYPES[forward]
-        return kernel.forward(a.to(dtype), b.to(dtype), None if bias is None else bias.to(dtype))
+        return kernel.forward(_cast(a, dtype), _cast(b, dtype),
+                              None if bias is None else _cast(bias, dtype))
     if forward in _FLOAT_DTYPES and cfg.backward_precision in _FLOAT_DTYPES:
         return _NativeFloat.apply(a, b, bias, kernel, forward, cfg.backward_precision)
     if not isinstance(kernel, LinearKernel) or cfg.rounding != "nearest":
@@ -169,16 +182,16 @@ def _float_grads(ctx, kernel: BilinearKernel, g: torch.Tensor, a: torch.Tensor,
     """Both operand gradients and the bias gradient in ``backward``, in the inputs'
     dtypes (None where not needed)."""
     dtype = _FLOAT_DTYPES[backward]
-    g = g.to(dtype)
+    g = _cast(g, dtype)
     a_shape, b_shape = ctx.shapes
     grads = [None, None, None]
     with tf32_math(backward is Precision.TF32):
         if ctx.needs_input_grad[0]:
-            grads[0] = kernel.grad_a(g, b.to(dtype), a_shape).to(ctx.dtypes[0])
+            grads[0] = _cast(kernel.grad_a(g, _cast(b, dtype), a_shape), ctx.dtypes[0])
         if ctx.needs_input_grad[1]:
-            grads[1] = kernel.grad_b(g, a.to(dtype), b_shape).to(ctx.dtypes[1])
+            grads[1] = _cast(kernel.grad_b(g, _cast(a, dtype), b_shape), ctx.dtypes[1])
     if ctx.needs_input_grad[2]:
-        grads[2] = kernel.bias_grad(g).to(ctx.dtypes[2])
+        grads[2] = _cast(kernel.bias_grad(g), ctx.dtypes[2])
     return grads
 
 
@@ -194,9 +207,9 @@ class _NativeFloat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, kernel, forward, backward):
         dtype = _FLOAT_DTYPES[forward]
-        a, b = a.to(dtype), b.to(dtype)
+        a, b = _cast(a, dtype), _cast(b, dtype)
         with tf32_math(forward is Precision.TF32):
-            out = kernel.forward(a, b, None if bias is None else bias.to(dtype))
+            out = kernel.forward(a, b, None if bias is None else _cast(bias, dtype))
         ctx.save_for_backward(a, b)
         _remember(ctx, a, b, bias, kernel, backward)
         return out
