@@ -27,7 +27,10 @@ Conventions (documented once, used by every cost consumer):
 * Bytes saved for backward follow what PyTorch autograd keeps: inputs of GEMMs, the
   output of softmax, ReLU, sigmoid and tanh (the input of other activations), a dropout
   mask (1 byte per element on CUDA, whose fused kernel keeps a bool mask; the input's dtype
-  on CPU), input + statistics for norms, input + int64 indices for max-pooling.
+  on CPU), input + statistics for norms, input + int64 indices for max-pooling. They are
+  per op: a tensor several ops keep (a ReLU's output that the next Linear saves too) is
+  in each one's ``saved_bytes``, and held once in
+  :func:`qsync_lab.graph.opgraph.saved_tensors` and the memory model.
 
 Example::
 
@@ -85,8 +88,11 @@ class OpCounts:
     bytes_read: int
     bytes_written: int
     saved_inputs: tuple[int, ...]  # indices into ``OpRecord.inputs`` kept for backward
-    saved_extra_bytes: int  # other tensors kept: outputs, masks, statistics, indices
-    saved_bytes: int  # saved inputs + extra
+    saved_extra_bytes: int  # tensors only the op itself keeps: masks, statistics, indices
+    saved_bytes: int  # saved inputs + saved output + extra
+    #: bytes of the op's own first output kept for backward (ReLU, softmax, attention), a
+    #: tensor the ops reading it may keep too
+    saved_output_bytes: int = 0
 
 
 def count_op(rec: OpRecord, device_type: str = "cuda") -> OpCounts:
@@ -94,19 +100,32 @@ def count_op(rec: OpRecord, device_type: str = "cuda") -> OpCounts:
     if rec.kind == "view":
         return OpCounts(0, 0, 0, 0, 0, (), 0, 0)
     fwd, bwd_in, bwd_w, saved, extra = _count(rec, device_type)
+    output = 0
+    if isinstance(extra, _Output):  # the op keeps its own output (and maybe more)
+        output, extra = extra.output, extra.rest
     if rec.input_ops and all(src is None for src in rec.input_ops):
         bwd_in = 0
     read = sum(t.nbytes for t in rec.inputs) + sum(m.nbytes for _, m in rec.params)
     written = sum(t.nbytes for t in rec.outputs)
     if rec.kind == "embedding":  # reads only the gathered rows of the table
         read = sum(t.nbytes for t in rec.inputs) + written
-    saved_total = sum(rec.inputs[i].nbytes for i in saved) + extra
+    saved_total = sum(rec.inputs[i].nbytes for i in saved) + output + extra
     return OpCounts(int(fwd), int(bwd_in), int(bwd_w), read, written, saved, int(extra),
-                    int(saved_total))
+                    int(saved_total), int(output))
+
+
+@dataclass(frozen=True)
+class _Output:
+    """What ``_count`` returns as saved extra bytes when the op keeps its own output:
+    the output's bytes and those of the other tensors it keeps."""
+
+    output: int
+    rest: int = 0
 
 
 def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, ...], int]:
-    """(fwd, bwd_input, bwd_weight, saved input indices, saved extra bytes)."""
+    """(fwd, bwd_input, bwd_weight, saved input indices, saved extra bytes); the extra
+    bytes are an :class:`_Output` when they include the op's own output."""
     out_numel = sum(t.numel for t in rec.outputs)
     out_bytes = sum(t.nbytes for t in rec.outputs)
     if rec.kind in _GEMM_KINDS:
@@ -132,7 +151,8 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     bias_grad = out_numel if rec.params else 0  # affine norms: d(weight), d(bias)
     if kind == "softmax" or (kind in ("activation", "transcendental")
                              and _short_name(rec.target) in _SAVE_OUTPUT):
-        return fwd, bwd, 0, (), out_bytes
+        first = rec.outputs[0].nbytes if rec.outputs else 0
+        return fwd, bwd, 0, (), _Output(first, out_bytes - first)
     if kind in ("activation", "transcendental"):
         return fwd, bwd, 0, (0,) if rec.inputs else (), 0
     if kind in ("batch_norm", "layer_norm", "group_norm", "rms_norm"):
@@ -185,11 +205,13 @@ def _count_counted(rec: OpRecord) -> tuple[int, int, int, tuple[int, ...], int]:
     saved = tuple(range(len(rec.inputs)))
     if rec.saved_bytes is not None:  # worked out by the tracer
         extra, saved = rec.saved_bytes, ()
-    elif rec.kind == "attention":
+    elif rec.kind == "attention":  # its output and fp32 log-sum-exp rows
         out = rec.outputs[0]
-        extra = out.nbytes + 4 * out.numel // max(1, out.shape[-1] if out.shape else 1)
-        if rec.params:  # an unsplit nn.MultiheadAttention: its projections too
-            extra += 3 * out.nbytes
+        rows = 4 * out.numel // max(1, out.shape[-1] if out.shape else 1)
+        if rec.params:  # an unsplit nn.MultiheadAttention: its projections and inner output
+            extra = 4 * out.nbytes + rows  # (its own output is the out-projection's)
+        else:  # F.scaled_dot_product_attention: the output the next op reads, as a view
+            extra = _Output(out.nbytes, rows)
     elif rec.kind == "recurrent":
         extra = _recurrent_saved_bytes(rec)
     return fwd, 2 * fwd - weight_grad, weight_grad, saved, extra

@@ -60,7 +60,8 @@ class OpGraph:
         edges: DataFrame ``(src, dst)`` of data edges between ops.
         params: DataFrame indexed by parameter FQN: ``shape, dtype, numel, bytes,
             requires_grad, first_op`` (the first op that reads it), in
-            ``model.parameters()`` order.
+            ``model.parameters()`` order; ``params.attrs["saved_tensors"]`` holds
+            :func:`saved_tensors` (which ops keep which activations) for the memory model.
         traced_with: ``"fx"`` or ``"hooks"``.
         saved_bytes_by_device: bytes autograd keeps for backward, per device type (see
             :meth:`saved_activation_bytes`).
@@ -270,7 +271,9 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
                          columns=["src", "dst"])
     saved = {device: _saved_activation_bytes(records, device) for device in ("cuda", "cpu")}
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    return OpGraph(ops, edges, _param_table(model, records), traced_with, saved, buffer_bytes)
+    params = _param_table(model, records)
+    params.attrs[SAVED_TENSORS_ATTR] = SavedTensors(saved_tensors(records))
+    return OpGraph(ops, edges, params, traced_with, saved, buffer_bytes)
 
 
 def _depths(records: list[OpRecord]) -> dict[str, int]:
@@ -288,12 +291,53 @@ def _depths(records: list[OpRecord]) -> dict[str, int]:
     return depth
 
 
-def _saved_activation_bytes(records: list[OpRecord], device_type: str) -> int:
-    """Bytes autograd keeps for backward, a tensor saved by several ops counted once.
+#: the key of ``graph.params.attrs`` under which :func:`trace_graph` leaves
+#: :func:`saved_tensors` (a :class:`SavedTensors`) for the memory model
+#: (:class:`qsync_lab.simulate.memory.MemoryModel`), which is handed the graph's work
+#: arrays and its parameter table
+SAVED_TENSORS_ATTR = "saved_tensors"
 
-    A saved input is identified by the op that stored its data, looking through views:
-    a ReLU's output saved by the ReLU and, flattened, by the next Linear is one tensor, and
-    a saved view keeps its producer's whole output alive.
+
+class SavedTensors(Mapping):
+    """Read-only ``op FQN -> saved_tensors(...)[op]``; pandas deep-copies a frame's
+    ``attrs`` on every selection, so a copy of this one is itself."""
+
+    def __init__(self, by_op: Mapping[str, tuple]) -> None:
+        self._by_op = dict(by_op)
+
+    def __getitem__(self, op: str) -> tuple:
+        return self._by_op[op]
+
+    def __iter__(self):
+        return iter(self._by_op)
+
+    def __len__(self) -> int:
+        return len(self._by_op)
+
+    def __deepcopy__(self, memo) -> "SavedTensors":
+        return self
+
+
+def saved_tensors(records: list[OpRecord], device_type: str = "cuda") -> dict[str, tuple]:
+    """Per op, the activations it keeps for backward that other ops may keep too:
+    ``(owner, storage_bytes, view_bytes, is_float)`` per tensor, where ``owner`` is the op
+    that wrote the storage, looking through views (None for a graph input: data, labels),
+    ``storage_bytes`` that op's output (a saved view keeps its producer's whole output
+    alive), ``view_bytes`` the tensor the op reads (what it keeps when it saves a copy in
+    another format instead) and ``is_float`` whether it holds floats (not indices). An op
+    keeping its own output (ReLU, softmax, attention) lists itself. The rest of an op's
+    ``saved_bytes`` (statistics, masks, indices) is its own.
+
+    Example::
+
+        >>> from qsync_lab.graph.records import TensorMeta
+        >>> x = TensorMeta((4, 8), torch.float32)
+        >>> relu = OpRecord("relu", "activation", "relu", [x], [None], [x])
+        >>> fc = OpRecord("fc", "linear", "torch.nn.Linear", [x], ["relu"],
+        ...               [TensorMeta((4, 2), torch.float32)],
+        ...               [("fc.weight", TensorMeta((2, 8), torch.float32))])
+        >>> saved_tensors([relu, fc])
+        {'relu': (('relu', 128, 128, True),), 'fc': (('relu', 128, 128, True),)}
     """
     by_name = {rec.name: rec for rec in records}
 
@@ -302,20 +346,34 @@ def _saved_activation_bytes(records: list[OpRecord], device_type: str) -> int:
             name = by_name[name].input_ops[0]
         return name
 
-    stored: dict[object, int] = {}
-    total_extra = 0
+    kept: dict[str, tuple] = {}
     for rec in records:
         c = count_op(rec, device_type)
+        tensors = []
         for i in c.saved_inputs:
-            owner = storage_owner(rec.input_ops[i])
-            if owner is None:  # a graph input (data, labels)
-                stored[("input", rec.name, i)] = rec.inputs[i].nbytes
-            else:
-                stored[owner] = by_name[owner].outputs[0].nbytes
-        if rec.kind in ("activation", "softmax"):  # saves its own output
-            stored[rec.name] = c.saved_extra_bytes
-        else:
-            total_extra += c.saved_extra_bytes
+            owner = storage_owner(rec.input_ops[i]) if i < len(rec.input_ops) else None
+            storage = rec.inputs[i].nbytes if owner is None else by_name[owner].outputs[0].nbytes
+            tensors.append((owner, storage, rec.inputs[i].nbytes,
+                            rec.inputs[i].dtype.is_floating_point))
+        if c.saved_output_bytes:
+            tensors.append((rec.name, c.saved_output_bytes, c.saved_output_bytes,
+                            rec.outputs[0].dtype.is_floating_point))
+        kept[rec.name] = tuple(tensors)
+    return kept
+
+
+def _saved_activation_bytes(records: list[OpRecord], device_type: str) -> int:
+    """Bytes autograd keeps for backward, a tensor saved by several ops counted once.
+
+    A saved input is identified by the op that stored its data, looking through views:
+    a ReLU's output saved by the ReLU and, flattened, by the next Linear is one tensor, and
+    a saved view keeps its producer's whole output alive (:func:`saved_tensors`).
+    """
+    stored: dict[object, int] = {}
+    total_extra = sum(count_op(rec, device_type).saved_extra_bytes for rec in records)
+    for name, tensors in saved_tensors(records, device_type).items():
+        for i, (owner, storage, _, _) in enumerate(tensors):
+            stored[(name, i) if owner is None else owner] = storage
     return sum(stored.values()) + total_extra
 
 

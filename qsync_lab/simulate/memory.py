@@ -11,19 +11,28 @@ Held for the whole step:
 Changing over backward, which runs the ops in reverse; while op ``i``'s backward runs:
 
 * ``activations``: what ops ``0..i`` saved for backward (an op's saved tensors are freed
-  once its backward has run): per op its ``saved_bytes`` at the rank's batch size,
-  summed per op, so a tensor two ops save at the same precision counts twice. GEMM-shaped
-  ops (linear, conv, matmul) save their operands encoded in their precision (``bits /
-  32``; int8 saves int8); every other op saves fp32, since qsync_lab's runtime rounds the
-  values of the activations between ops to an op's format, never their storage
-  (:func:`saved_bits`);
+  once its backward has run), at the rank's batch size: an op's activations grow with
+  the batch when its tensors' first dimension is the batch or when it reads such an
+  op's output (:func:`memory_batched`: a sequence model's loss reads ``(batch * tokens,
+  classes)`` logits). A tensor is stored in its writer's output format
+  (``assignment.output``: fp16/bf16 ops write fp16/bf16, the others fp32), and an op
+  keeps what it saves in its own format (:func:`keep_format`: a GEMM in its precision's,
+  int8 as int8; an activation following a 16-bit op in 16 bits; a layer norm in fp32).
+  Where the two agree the op keeps the tensor itself, and a tensor several ops keep so
+  (a ReLU's output that the next convolution saves too, an attention's output that the
+  out-projection saves as a view, a layer norm's output that three fp32 projections
+  read) is held once, until the backward of the first of them in forward order; where
+  they differ the op keeps its own copy (a bf16 GEMM reading an fp32 ReLU output, an
+  fp32 norm reading a bf16 GEMM's). :func:`qsync_lab.graph.opgraph.saved_tensors` says
+  which ops keep which tensors (a saved view keeps its producer's whole output);
 * ``low_precision_weights``: the weight copies ops ``0..i`` encoded for forward and saved
   for backward: GEMM-shaped ops (linear, conv) whose precision is not stored in fp32
   (``numel * bits / 8``);
 * ``gradients``: the fp32 ``.grad`` of every parameter whose first reader is op ``i`` or
   later (``optimizer.zero_grad()`` frees them every step, backward allocates them);
 * ``workspace``: op ``i``'s output gradient and input gradient, alive at once, at its
-  backward precision.
+  backward precision, and any gradient its backward makes inside it (cross-entropy's
+  gradient of the log-probabilities, the size of the logits, before the logits' own).
 
 The peak is the largest sum over the ops' backward steps, and the components are those
 of that moment: deep activation-heavy models peak early in backward (activations all
@@ -36,7 +45,12 @@ forward transient not modelled).
 Not modelled: the CUDA context and allocator fragmentation (outside
 ``max_memory_allocated``), library workspaces (cuBLAS, cuDNN), an optimizer's
 temporaries during its step (foreach Adam's ``sqrt`` of the second moment), the loss and
-logits kept after forward.
+logits kept after forward, and the 16-bit values that natively pass through the ops the
+policy runs in fp32 but the runtime does not guard (an ``add``, a softmax, GELU,
+``F.scaled_dot_product_attention`` after a bf16 GEMM run and save in bf16 on CUDA;
+counted here in fp32, as the policy has them). The CPU emulation stores every activation
+in fp32 (it rounds values, not storage), so 16-bit plans measured there hold more than
+this model's count.
 
 Example::
 
@@ -59,11 +73,13 @@ import pandas as pd
 
 from qsync_lab.costs import OpWork, batch_scales
 from qsync_lab.costs.work import bits_ratio
+from qsync_lab.graph.opgraph import SAVED_TENSORS_ATTR
 from qsync_lab.optimizers import optimizer_state_count
 from qsync_lab.precision import Precision
-from qsync_lab.policy import PrecisionAssignment, storage_precision
+from qsync_lab.policy import PLANNABLE_KINDS, PrecisionAssignment, storage_precision
 
-__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "MemoryModel", "memory_breakdown", "saved_bits"]
+__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "MemoryModel", "keep_format",
+           "memory_batch_scales", "memory_batched", "memory_breakdown", "saved_bits"]
 
 MEMORY_COMPONENTS = ("master_weights", "low_precision_weights", "gradients", "ddp_buckets",
                      "optimizer_state", "activations", "workspace")
@@ -71,10 +87,33 @@ MEMORY_COMPONENTS = ("master_weights", "low_precision_weights", "gradients", "dd
 ENCODED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"})
 _STORAGE = {p: storage_precision(p) for p in Precision}
 _STORED_BITS = {p: storage.bits for p, storage in _STORAGE.items()}
+#: a storage format's code in the arrays of :class:`_SharedTensors`, and its bits by code
+_FORMAT = {p: code for code, p in enumerate(Precision)}
+_FORMAT_BITS = np.array([_STORED_BITS[p] for p in Precision], float)
+_STORAGE_FORMAT = {p: _FORMAT[storage] for p, storage in _STORAGE.items()}
+
+
+def keep_format(kind: str, precision: Precision) -> Precision:
+    """The storage format an op of ``kind`` computed in ``precision`` keeps its saved
+    float operands in: its precision's (tf32 as fp32), but fp32 for the norms that take
+    fp32 inputs inside their 16-bit boundary (``KindRule.fp32_inside``: layer norm does,
+    batch norm reads the 16-bit inputs itself).
+
+    Example::
+
+        >>> keep_format("activation", Precision.BF16), keep_format("layer_norm", Precision.BF16)
+        (<Precision.BF16: 'bf16'>, <Precision.FP32: 'fp32'>)
+    """
+    rule = PLANNABLE_KINDS.get(kind)
+    if rule is not None and not rule.replaces_forward and getattr(rule, "fp32_inside", True):
+        return Precision.FP32
+    return _STORAGE[precision]
 
 
 def saved_bits(kind: str, precision: Precision) -> int:
-    """Bits per element of what an op of ``kind`` computed in ``precision`` saves.
+    """Bits per element of what an op of ``kind`` computed in ``precision`` saves of its
+    fp32 operands (the allocator's per-op estimate; :class:`MemoryModel` also follows the
+    operands' own formats and what several ops share).
 
     Example::
 
@@ -103,10 +142,15 @@ def memory_breakdown(work: OpWork, params: pd.DataFrame, assignment: PrecisionAs
 class MemoryModel:
     """:func:`memory_breakdown` of one graph for many assignments: what no plan changes
     (the parameters, the gradients held per op, the buckets, the optimizer state) is
-    derived once."""
+    derived once.
+
+    ``saved_tensors``: per op FQN, the activations it keeps that other ops may keep too
+    (:func:`qsync_lab.graph.opgraph.saved_tensors`); None reads them from
+    ``params.attrs`` (:func:`~qsync_lab.graph.trace_graph` leaves them there), and
+    without them every op's ``saved_bytes`` counts as its own."""
 
     def __init__(self, work: OpWork, params: pd.DataFrame, *, optimizer: str,
-                 bucket_bytes: float) -> None:
+                 bucket_bytes: float, saved_tensors=None) -> None:
         self.work = work
         self._encoded = np.array([kind in ENCODED_KINDS for kind in work.kinds], bool)
         self._held_gradients = np.cumsum(_gradient_bytes_by_first_reader(work, params)[::-1])[::-1]
@@ -114,16 +158,31 @@ class MemoryModel:
         self._master_bytes = float(params["bytes"].sum())
         self._bucket_bytes = float(bucket_bytes)
         self._optimizer_bytes = optimizer_state_count(optimizer) * gradients
-        self._batched: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if saved_tensors is None:
+            saved_tensors = params.attrs.get(SAVED_TENSORS_ATTR)
+        self._shared = _SharedTensors(work, saved_tensors)
+        self._keeps_fp32 = np.array([keep_format(kind, Precision.BF16) is Precision.FP32
+                                     for kind in work.kinds], bool)
+        self._batched_ops = memory_batched(work)
+        self._internal_grads = _internal_gradient_bytes(work)
+        self._batched: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def saved(self, assignment: PrecisionAssignment, *, batch_size: int) -> np.ndarray:
+        """Per op, the bytes of activations it holds for backward until its backward has
+        run (a tensor several ops keep as it is counted at the first of them): their sum
+        is everything a training step saves."""
+        scale, own_fp32, _ = self._at_batch(batch_size)
+        keep, written = self._formats(assignment)
+        stored_bits = self._stored_bits(assignment)
+        return own_fp32 * stored_bits / 32 + self._shared.held(keep, written, scale)
 
     def breakdown(self, assignment: PrecisionAssignment, *, batch_size: int) -> dict[str, float]:
         """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank."""
         work = self.work
-        saved_fp32, transient_fp32 = self._at_batch(batch_size)
-        stored_bits = np.where(self._encoded, [_STORED_BITS[p] for p in assignment.precision],
-                               32.0)
+        _, _, transient_fp32 = self._at_batch(batch_size)
+        stored_bits = self._stored_bits(assignment)
         backward_ratio = bits_ratio([_STORAGE[q] for q in assignment.backward])
-        saved = saved_fp32 * stored_bits / 32
+        saved = self.saved(assignment, batch_size=batch_size)
         copies = np.where(stored_bits < 32, work.weight_numel * stored_bits / 8, 0.0)
         transient = transient_fp32 * backward_ratio
         held_activations = np.cumsum(saved)  # while op i's backward runs: ops 0..i
@@ -140,14 +199,149 @@ class MemoryModel:
             "workspace": float(transient[peak_at]),
         }
 
-    def _at_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per op at ``batch_size`` in fp32: the bytes it saves, and its output gradient and
-        input gradient together."""
+    def _formats(self, assignment: PrecisionAssignment) -> tuple[np.ndarray, np.ndarray]:
+        """Per op, the storage format (a code) it keeps its saved float operands in
+        (:func:`keep_format`) and the one it writes its output in."""
+        keep = np.where(self._keeps_fp32, _FORMAT[Precision.FP32],
+                        [_STORAGE_FORMAT[p] for p in assignment.precision])
+        written = np.array([_STORAGE_FORMAT[p] for p in assignment.output])
+        return keep, written
+
+    def _stored_bits(self, assignment: PrecisionAssignment) -> np.ndarray:
+        """Per op, the bits it stores its saved operands in (32 but for encoded kinds)."""
+        return np.where(self._encoded, [_STORED_BITS[p] for p in assignment.precision], 32.0)
+
+    def _at_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per op at ``batch_size``: its activation scale, the fp32 bytes it saves for
+        itself alone, and its output gradient and input gradient (and any gradient inside
+        it) together, in fp32."""
         if batch_size not in self._batched:
-            work, scale = self.work, batch_scales(self.work, batch_size)
-            self._batched[batch_size] = (work.saved_bytes * scale,
-                                         (work.out_bytes + work.act_read_bytes) * scale)
+            work = self.work
+            scale = memory_batch_scales(work, batch_size, self._batched_ops)
+            self._batched[batch_size] = (
+                scale, self._shared.own_bytes * scale,
+                (work.out_bytes + work.act_read_bytes + self._internal_grads) * scale)
         return self._batched[batch_size]
+
+
+def memory_batched(work: OpWork) -> np.ndarray:
+    """Per op, whether its activations grow with the batch: ``work.batched`` (a tensor
+    whose first dimension is the batch) or any op it reads is. The second catches
+    activations whose first dimension folds the batch with another one, as a sequence
+    model's loss reads ``(batch * tokens, vocabulary)`` logits.
+
+    Example::
+
+        >>> import torch, torch.nn as nn
+        >>> from qsync_lab.costs import op_work
+        >>> from qsync_lab.graph import trace_graph
+        >>> class Tokens(nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.softmax(torch.relu(x).flatten(0, 1), dim=-1)
+        >>> work = op_work(trace_graph(Tokens(), torch.randn(2, 3, 4)))
+        >>> work.kinds, work.batched.tolist(), memory_batched(work).tolist()
+        (('activation', 'view', 'softmax'), [True, True, False], [True, True, True])
+    """
+    batched = np.array(work.batched, bool)
+    for i, producers in enumerate(work.producers):
+        if not batched[i] and any(batched[p] for p in producers):
+            batched[i] = True
+    return batched
+
+
+def memory_batch_scales(work: OpWork, batch_size: int,
+                        batched: np.ndarray | None = None) -> np.ndarray:
+    """Per-op factor on activation bytes at ``batch_size`` (``batch_scales`` with the ops of
+    :func:`memory_batched`)."""
+    batch_scales(work, batch_size)  # QSyncError for a bad batch size
+    batched = memory_batched(work) if batched is None else batched
+    return np.where(batched, batch_size / work.traced_batch_size, 1.0)
+
+
+def _internal_gradient_bytes(work: OpWork) -> np.ndarray:
+    """Per op, fp32 bytes of a gradient its backward makes inside it, alive with its input
+    gradient: cross-entropy (log-softmax then negative log-likelihood) turns the output
+    gradient into one of the log-probabilities, then that into the logits' gradient, each
+    the size of the logits."""
+    internal = np.zeros(len(work))
+    for i, (kind, target, shapes) in enumerate(zip(work.kinds, work.targets,
+                                                   work.input_shapes)):
+        if kind == "loss" and _is_cross_entropy(target) and shapes:
+            internal[i] = 4.0 * float(np.prod(shapes[0], dtype=float))
+    return internal
+
+
+def _is_cross_entropy(target: str) -> bool:
+    name = target.rsplit(".", 1)[-1].lower()
+    return name in ("cross_entropy", "crossentropyloss")
+
+
+class _SharedTensors:
+    """The saved activations of a graph that several ops may keep, and what each op keeps
+    alone, so that a tensor kept as it is by several ops is held once.
+
+    A tensor is stored in its writer's output format (``assignment.output``; fp32 for a
+    graph input). An op that keeps its saved operands in that same format keeps the tensor
+    itself; one that keeps them in another (a bf16 GEMM reading fp32, an fp32 norm reading
+    a bf16 GEMM's output) keeps its own copy of what it reads in its format. A tensor
+    several ops keep itself is counted once, at the first of them in forward order:
+    backward runs the ops in reverse, so that one's backward is the last to need it.
+    """
+
+    def __init__(self, work: OpWork, saved_tensors) -> None:
+        position = {name: i for i, name in enumerate(work.names)}
+        ops, owners, storage, view, floats = [], [], [], [], []
+        listed = np.zeros(len(work))
+        for i, name in enumerate(work.names):
+            entries = () if saved_tensors is None else saved_tensors.get(name, ())
+            for owner, storage_bytes, view_bytes, is_float in entries:
+                ops.append(i)
+                # a tensor is its owner op; a graph input one tensor of its own (negative)
+                owners.append(position.get(owner, -1 - len(owners)))
+                storage.append(storage_bytes)
+                view.append(view_bytes)
+                floats.append(bool(is_float))
+                listed[i] += view_bytes
+        #: per op, fp32 bytes at the traced batch it saves for itself alone
+        self.own_bytes = np.maximum(work.saved_bytes - listed, 0.0)
+        order = np.lexsort((np.array(ops, int), np.array(owners, int)))  # tensor, then op
+        self.ops = np.array(ops, int)[order]
+        self.owners = np.array(owners, int)[order]
+        self.storage = np.array(storage, float)[order]
+        self.view = np.array(view, float)[order]
+        self.floats = np.array(floats, bool)[order]
+        self.own_output = self.owners == self.ops
+        first = np.r_[True, self.owners[1:] != self.owners[:-1]] if len(order) else \
+            np.zeros(0, bool)
+        #: per row, the row its tensor's rows start at
+        self.group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+        self.num_ops = len(work)
+
+    def held(self, keep: np.ndarray, written: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """Per op, the bytes of these tensors it holds.
+
+        Args:
+            keep: per op, the storage format it keeps its saved float operands in (a
+                :data:`_FORMAT` code).
+            written: per op, the storage format of its output (a code).
+            scale: per op, its activations' batch scale (a tensor scales as its owner's
+                output, a graph input as the op reading it).
+        """
+        if not len(self.ops):
+            return np.zeros(self.num_ops)
+        is_input = self.owners < 0
+        owner = np.maximum(self.owners, 0)
+        stored = np.where(is_input, _FORMAT[Precision.FP32], written[owner])
+        kept = keep[self.ops]
+        as_is = ~self.floats | self.own_output | (kept == stored)
+        count = np.cumsum(as_is)
+        first_as_is = as_is & (count - count[self.group_start] + as_is[self.group_start] == 1)
+        op_scale = scale[self.ops]
+        tensor_bytes = self.storage * np.where(is_input, op_scale, scale[owner]) * np.where(
+            self.floats, _FORMAT_BITS[stored] / 32, 1.0)
+        copy_bytes = self.view * op_scale * _FORMAT_BITS[kept] / 32
+        held = np.where(as_is, np.where(first_as_is, tensor_bytes, 0.0), copy_bytes)
+        return np.bincount(self.ops, weights=held, minlength=self.num_ops)
 
 
 def _gradient_bytes_by_first_reader(work: OpWork, params: pd.DataFrame) -> np.ndarray:

@@ -65,8 +65,8 @@ def _slider(prepared, cluster, costs, scores) -> list[Constraints]:
                         for t in (best, evaluator.pace_us("T4")))
     throughputs = [slowest + (fastest - slowest) * f for f in (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)]
     fp32_gib = evaluator.memory_bytes("T4", {}) / GIB
-    int8_gib = evaluator.memory_bytes("T4", {op: "int8" for op in scores.index}) / GIB
-    budgets = [int8_gib + (fp32_gib - int8_gib) * f for f in (0.9, 0.6, 0.3, 0.05, -1.0)]
+    fp16_gib = evaluator.memory_bytes("T4", {op: "fp16" for op in scores.index}) / GIB  # least
+    budgets = [fp16_gib + (fp32_gib - fp16_gib) * f for f in (0.9, 0.6, 0.3, 0.05, -1.0)]
     return ([Constraints()]
             + [Constraints(throughput_samples_per_s=t)
                for t in [*throughputs, 1.5 * fastest, throughputs[2]]]
