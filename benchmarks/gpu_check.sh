@@ -19,7 +19,7 @@
 #   summary gives the measured step beside the prediction
 # hybrid: benchmarks/hybrid_gpu.py, the GPU split into a fast and a slow partition (green
 #   contexts under MPS), each strategy trained and predicted ($OUT/hybrid_gpu.csv; the runs
-#   themselves under $WORK)
+#   themselves under $WORK; HYBRID_BUDGET: its seconds, 200)
 # Each step has its own time limit, so one stuck step cannot hide the others' results. The
 # logs end up in $OUT/logs.tgz (the device tool returns at most 8 files).
 set -u
@@ -92,7 +92,7 @@ for name in $STEPS; do
     [ -s "$OUT/gpu_profile.csv" ] && GPU_PROFILE="$OUT/gpu_profile.csv"
     case $name in
         quant) step quant 60 "${PYTEST[@]}" -m gpu tests/quant ;;
-        profile) step profile 120 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
+        profile) step profile 150 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
                      --model resnet50 --batch 32 --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 \
                      --repeats 5 --out "$OUT/gpu_profile.csv" ;;
         train) step train 220 $PY benchmarks/gpu_training.py --kernels --budget-s 170 \
@@ -104,7 +104,8 @@ for name in $STEPS; do
         hooks) step hooks "${HOOKS_LIMIT:-90}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
                    ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
         user) step user 100 env GPU_PROFILE="${GPU_PROFILE:-}" bash -c user_path ;;
-        hybrid) step hybrid 240 $PY benchmarks/hybrid_gpu.py --steps 30 --out "$WORK/hybrid" \
+        hybrid) step hybrid $((${HYBRID_BUDGET:-200} + 40)) $PY benchmarks/hybrid_gpu.py --steps 30 \
+                    --budget-s "${HYBRID_BUDGET:-200}" --out "$WORK/hybrid" \
                     ${GPU_PROFILE:+--profile "$GPU_PROFILE"}
                 cp "$WORK"/hybrid/hybrid_gpu.{csv,txt} "$OUT/" 2> /dev/null ;;
         *) echo "unknown step $name" ;;
