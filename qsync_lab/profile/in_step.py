@@ -28,9 +28,12 @@ thread, the events on the same stream as the kernels), all resolved once after t
 synchronise that ends the step; and the host's, the host clock inside those events
 (``*_host_us``). Between two events the stream would also wait for the host to launch
 the kernels, so each span is held first (:func:`~qsync_lab.profile.timing.hold_stream`)
-for twice the host time the same span took the step before, plus 20 µs
-(:data:`HOLD_FACTOR`, :data:`HOLD_SLACK_US`; the first step: :data:`FIRST_HOLD_US`):
-the op's kernels queue behind the hold and its events time the device alone.
+for twice the host time the same span took in the first step, which runs unheld, plus
+20 µs (:data:`HOLD_FACTOR`, :data:`HOLD_SLACK_US`; a span the first step did not have:
+:data:`FIRST_HOLD_US`): the op's kernels queue behind the hold and its events time the
+device alone. The sizes come from that unheld step, not the step before: a span that
+waits for the device (a value read back to the host) would otherwise wait for its own
+hold, and its hold would double every step.
 
 Example::
 
@@ -67,11 +70,11 @@ __all__ = ["InStepTimes", "loss_root_on", "time_ops_in_steps"]
 _CALLS = ("call_module", "call_function", "call_method")
 _NS_PER_US = 1e3
 _LR = 1e-4  # small: the timed steps see (nearly) the same weights
-#: a CUDA span is held for this many times the host time it took the step before ...
+#: a CUDA span is held for this many times the host time it took in the first step ...
 HOLD_FACTOR = 2.0
 #: ... plus this, µs (the events' own host time)
 HOLD_SLACK_US = 20.0
-#: the hold of a span the step before did not time, µs
+#: the hold of a span the first step did not have, µs
 FIRST_HOLD_US = 200.0
 
 
@@ -167,15 +170,18 @@ class _TimedRun(fx.Interpreter):
         self.taken = taken
         self.device = device
         self._issued_ns: list[int] = []  # host ns of each span of the step, in begin order
+        self._hold_ns: list[int] | None = None  # the first (unheld) step's: the hold sizes
         self.reset()
 
     def reset(self) -> None:
-        """Forget the last step: op names, their timed spans and the hooked nodes (its
-        host times size this step's holds)."""
+        """Forget the last step: op names, their timed spans and the hooked nodes (the
+        first step's host times size the holds of every later one)."""
         self.ops: list[str] = []
         self.timer = timer_for(self.device)
         self.host = None if isinstance(self.timer, HostTimer) else HostTimer()  # CUDA
-        self._last_issued_ns, self._issued_ns = self._issued_ns, []
+        if self._hold_ns is None and self._issued_ns:
+            self._hold_ns = self._issued_ns
+        self._issued_ns = []
         self._owned: set = set()
         self._started: dict = {}
 
@@ -212,10 +218,11 @@ class _TimedRun(fx.Interpreter):
         held first (module docstring)."""
         if self.host is None:
             return self.timer.mark(), None, None
-        index, last = len(self._issued_ns), self._last_issued_ns
+        index, sizes = len(self._issued_ns), self._hold_ns
         self._issued_ns.append(0)
-        hold_stream(self.device, HOLD_FACTOR * last[index] / _NS_PER_US + HOLD_SLACK_US
-                    if index < len(last) else FIRST_HOLD_US)
+        if sizes is not None:
+            hold_stream(self.device, HOLD_FACTOR * sizes[index] / _NS_PER_US + HOLD_SLACK_US
+                        if index < len(sizes) else FIRST_HOLD_US)
         return self.timer.mark(), self.host.mark(), index
 
     def _end(self, begin: tuple) -> tuple:

@@ -117,7 +117,7 @@ def test_cuda_spans_also_time_the_host_and_are_held_as_long_as_it_took(fake_cuda
                                                                        monkeypatch):
     """On CUDA each span also reads the host clock inside its two events (the host's time
     issuing the op, ``*_host_us``), and before its first event the stream is held for
-    twice the host time the same span took the step before, plus the slack."""
+    twice the host time the same span took in the first, unheld step, plus the slack."""
     monkeypatch.setattr(in_step, "timer_for", lambda device: CudaEventTimer("cuda"))
     holds = []
     monkeypatch.setattr(in_step, "hold_stream", lambda device, us: holds.append(us))
@@ -125,12 +125,39 @@ def test_cuda_spans_also_time_the_host_and_are_held_as_long_as_it_took(fake_cuda
     monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(clock))
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     t = in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
-                                  nn.CrossEntropyLoss(), "fp32", steps=1, warmup=1)
+                                  nn.CrossEntropyLoss(), "fp32", steps=2, warmup=1)
     assert t.forward_host_us.tolist() == [3.0] * 4  # two reads, one tick apart
     assert all(us > 0 and us % 3 == 0 for us in t.backward_host_us)
-    spans = len(holds) // 2
-    assert holds[:spans] == [in_step.FIRST_HOLD_US] * spans  # the first step knows nothing
-    assert holds[spans:] == [in_step.HOLD_FACTOR * 3.0 + in_step.HOLD_SLACK_US] * spans
+    # the first step unheld, the two after it held by its host times
+    assert holds == [in_step.HOLD_FACTOR * 3.0 + in_step.HOLD_SLACK_US] * len(holds)
+    assert len(holds) % 2 == 0 and holds
+
+
+def test_a_span_that_waits_for_its_hold_does_not_grow_the_next_hold(fake_cuda, monkeypatch):
+    """A span whose host time includes waiting for the held stream (a value read back)
+    sizes no later hold: every hold comes from the unheld first step."""
+    monkeypatch.setattr(in_step, "timer_for", lambda device: CudaEventTimer("cuda"))
+    holds, now, pending = [], [0], []
+
+    def hold(device, us):
+        holds.append(us)
+        pending[:] = [int(us * 1e3), "begin"]
+
+    def perf_counter_ns():  # 3 µs a read; a span's end read also waits out its hold
+        now[0] += 3_000
+        if pending and pending[1] == "end":
+            now[0] += pending.pop(0)
+            pending.clear()
+        elif pending:
+            pending[1] = "end"
+        return now[0]
+
+    monkeypatch.setattr(in_step, "hold_stream", hold)
+    monkeypatch.setattr(timing.time, "perf_counter_ns", perf_counter_ns)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
+                              nn.CrossEntropyLoss(), "fp32", steps=4, warmup=1)
+    assert max(holds) == min(holds)  # no growth from step to step
 
 
 def test_gpu_names_map_to_catalog_kinds():
