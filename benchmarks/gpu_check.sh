@@ -2,16 +2,17 @@
 # The GPU checks in one run, for a machine with CUDA, PyTorch, Numba and numba-cuda installed
 # (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
 #   bash benchmarks/gpu_check.sh [step ...]
-#   default: quant profile train tests kernels buckets   (about 8 minutes at most)
-#   then, in a second call: hooks hybrid                  (about 5 minutes at most)
+#   default: quant profile train tests kernels buckets   (about 8 minutes)
+#   then, in a second call: user hybrid hooks             (about 5 minutes)
+# (on an H200: quant 37 s, train 132 s a round, user 59 s, a hybrid row 40 s)
 # quant: the quant GPU tests (native fp16/bf16/tf32/int8/fp8 operators, kernels and dtypes per
 #   op, launches of a bf16 BERT against torch.autocast)
 # profile: qsync-lab profile --device cuda of BERT-base and ResNet-50 at batch 32 in every
 #   precision ($OUT/gpu_profile.csv), which the train step predicts from as well
 # train: benchmarks/gpu_training.py, the training step of BERT-base, ResNet-50 and a GPT decoder
 #   under each plan (fp32 ... fp8, qsync) beside plain torch (eager, TF32, autocast), measured
-#   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (rows that
-#   start after 170 s are skipped)
+#   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (two rounds of
+#   every row, in turn: the host's pace drifts; rows that start after 220 s are skipped)
 # tests, kernels, buckets, hooks: the CUDA kernels and the compression hook
 #   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
 # user: the user's path on this GPU: qsync-lab plan (BERT-base, one rank of the card's kind,
@@ -95,7 +96,8 @@ for name in $STEPS; do
         profile) step profile 150 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
                      --model resnet50 --batch 32 --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 \
                      --repeats 5 --out "$OUT/gpu_profile.csv" ;;
-        train) step train 220 $PY benchmarks/gpu_training.py --kernels --budget-s 170 \
+        train) step train 260 $PY benchmarks/gpu_training.py --kernels --rounds 2 --row-s 3 \
+                   --budget-s 220 \
                    --out "$OUT" ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
         tests) step tests 40 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
         kernels) step kernels 50 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;

@@ -16,7 +16,9 @@ decoder (6 blocks, width 768, 256 tokens, batch 16), in one process, each model 
 * plain torch at the same batch, also under DDP: ``torch:eager_fp32`` (TF32 off),
   ``torch:tf32`` (TF32 on), ``torch:autocast_bf16``, ``torch:autocast_fp16`` (GradScaler).
 
-A row gives the median step (CUDA events; warm-up steps left out), the simulator's
+A row gives the median step (CUDA events; warm-up steps left out; with ``--rounds``,
+every row measured that many times in turn and the median of the rounds kept, their range
+as ``spread_pct``: a launch-bound step moves with the host's pace), the simulator's
 prediction for a 1-rank cluster of the card's catalog kind (from the catalog, and from
 ``--profile`` when given), the error, the ratio to the matching torch row (``vs``: fp32 ->
 eager fp32, tf32 -> TF32, fp16 -> autocast fp16, the others -> autocast bf16; below 1 is
@@ -90,7 +92,8 @@ OPTIMIZER, LR, SEED = "sgd_momentum", 1e-4, 0
 MEMORY_STEPS = 2  # the trainer's window: model build and the first steps
 TRACE_BATCH = 2  # the graph is traced small and scaled to the batch, as the study does
 MIB = 2**20
-COLUMNS = ["model", "batch", "plan", "status", "step_ms", "pred_catalog_ms", "err_catalog_pct",
+COLUMNS = ["model", "batch", "plan", "status", "step_ms", "spread_pct", "rounds",
+           "pred_catalog_ms", "err_catalog_pct",
            "pred_profile_ms", "err_profile_pct", "vs", "ratio", "kernels", "mem_mib",
            "pred_catalog_mib", "mem_err_pct", "low_precision_ops", "warmup_steps", "timed_steps",
            "row_s"]
@@ -187,8 +190,10 @@ class Bench:
 
     # -- measuring -------------------------------------------------------------------
 
-    def measure(self, build: Callable[[], tuple[nn.Module, Callable[[], None]]]) -> dict:
-        """Median step of what ``build`` returns (model, step), its peak memory and kernels."""
+    def measure(self, build: Callable[[], tuple[nn.Module, Callable[[], None]]], *,
+                kernels: bool) -> dict:
+        """Median step of what ``build`` returns (model, step), its peak memory and (with
+        ``kernels``) its kernels per step."""
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -203,7 +208,7 @@ class Bench:
         timed = [self._timed(step) for _ in range(self._timed_steps(times))]
         row = {"step_ms": statistics.median(timed), "warmup_steps": len(times),
                "timed_steps": len(timed), "mem_mib": peak / MIB}
-        if self.args.kernels:
+        if kernels:
             row["kernels"] = self._kernels(step)
         del model, step
         return row
@@ -337,48 +342,69 @@ class Bench:
     # -- the table -------------------------------------------------------------------
 
     def run(self, work: Workload) -> None:
+        """Measure the model's rows, ``--rounds`` times in turn (each round every row once,
+        so a slow spell of the host touches all rows alike); a row's step is the median
+        of its rounds' medians, ``spread_pct`` their range over it."""
         wanted = [r for r in ORDER if r.removeprefix("torch:") in
                   (self.args.torch_runs if r.startswith("torch:") else self.args.plans)]
-        study = None
-        for name in wanted:
-            row = {"model": work.name, "batch": work.batch_size, "plan": name}
-            if time.monotonic() > self.deadline:
-                self.add({**row, "status": "skipped: --budget-s spent"})
-                continue
-            begin = time.monotonic()
-            try:
-                if name.startswith("torch:"):
-                    set_tf32(matmul=name == "torch:tf32", conv=name != "torch:eager_fp32")
-                    row.update(self.measure(self.torch_runner(work, name.removeprefix("torch:"))))
-                else:
-                    set_tf32(matmul=False, conv=False)  # as the trainer sets them on CUDA
-                    study = study or self.study(work)
-                    plan = self.plan(study, name)
-                    row["low_precision_ops"] = plan.low_precision_ops()[self.spec.name]
-                    for source, (ms, mib) in self.predict(study, plan).items():
-                        row[f"pred_{source}_ms"], row[f"pred_{source}_mib"] = ms, mib
-                    row.update(self.measure(self.plan_runner(work, study, plan)))
-                row["status"] = "ok"
-            except Exception as err:  # one failed row never stops the others; it keeps
-                # what it had (a plan that fails to run still shows its prediction)
-                row["status"] = "failed: " + traceback.format_exception_only(err)[-1].strip()
-            row["row_s"] = time.monotonic() - begin
-            self.add(row)
+        rows = [{"model": work.name, "batch": work.batch_size, "plan": name, "rounds_ms": [],
+                 "row_s": 0.0} for name in wanted]
+        self.rows += rows
+        study, plans = None, {}
+        for round_ in range(self.args.rounds):
+            for row in rows:
+                name = row["plan"]
+                if row.get("status", "ok") != "ok":
+                    continue
+                if time.monotonic() > self.deadline:
+                    row.setdefault("status", "skipped: --budget-s spent")
+                    continue
+                begin = time.monotonic()
+                try:
+                    if name.startswith("torch:"):
+                        set_tf32(matmul=name == "torch:tf32", conv=name != "torch:eager_fp32")
+                        runner = self.torch_runner(work, name.removeprefix("torch:"))
+                    else:
+                        set_tf32(matmul=False, conv=False)  # as the trainer sets them on CUDA
+                        study = study or self.study(work)
+                        if name not in plans:
+                            plans[name] = self.plan(study, name)
+                            row["low_precision_ops"] = \
+                                plans[name].low_precision_ops()[self.spec.name]
+                            for source, (ms, mib) in self.predict(study, plans[name]).items():
+                                row[f"pred_{source}_ms"], row[f"pred_{source}_mib"] = ms, mib
+                        runner = self.plan_runner(work, study, plans[name])
+                    measured = self.measure(runner, kernels=round_ == 0 and self.args.kernels)
+                    row["rounds_ms"].append(measured.pop("step_ms"))
+                    if round_ == 0:
+                        row.update(measured)
+                    row["status"] = "ok"
+                except Exception as err:  # one failed row never stops the others; it keeps
+                    # what it had (a plan that fails to run still shows its prediction)
+                    row["status"] = "failed: " + traceback.format_exception_only(err)[-1].strip()
+                row["row_s"] += time.monotonic() - begin
+                self.write(row)
 
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
+    def write(self, last: dict) -> None:
+        """Rewrite the table files and print the row just measured."""
         table = self.table()
         table.to_csv(self.out / "gpu_training.csv", index=False)
         (self.out / "gpu_training.txt").write_text(f"{self.header()}\n{_text(table)}\n")
-        last = table.iloc[-1]
-        print(f"{last['model']} {last['plan']}: {last['status']}, step {last['step_ms']} ms, "
-              f"predicted {last['pred_catalog_ms']} ms, x torch {last['ratio']}, "
-              f"{last['row_s']} s", flush=True)
+        row = table.iloc[self.rows.index(last)]
+        print(f"{row['model']} {row['plan']}: {row['status']}, step {row['step_ms']} ms, "
+              f"predicted {row['pred_catalog_ms']} ms, x torch {row['ratio']}, "
+              f"{row['row_s']} s", flush=True)
 
     def table(self) -> pd.DataFrame:
         """The rows in :data:`COLUMNS` (profile and kernel columns when asked for), with the
         errors and the ratios to torch filled in."""
-        table = pd.DataFrame(self.rows).reindex(columns=COLUMNS)
+        table = pd.DataFrame(self.rows)
+        rounds = table.pop("rounds_ms") if "rounds_ms" in table else pd.Series(dtype=object)
+        table["step_ms"] = [statistics.median(r) if r else float("nan") for r in rounds]
+        table["spread_pct"] = [100 * (max(r) - min(r)) / statistics.median(r) if r else
+                               float("nan") for r in rounds]
+        table["rounds"] = [len(r) for r in rounds]
+        table = table.reindex(columns=COLUMNS)
         for source in ("catalog", "profile"):
             table[f"err_{source}_pct"] = _error_pct(table[f"pred_{source}_ms"], table["step_ms"])
         table["mem_err_pct"] = _error_pct(table["pred_catalog_mib"], table["mem_mib"])
@@ -389,7 +415,8 @@ class Bench:
                           for m, v, ms in zip(table["model"], table["vs"], table["step_ms"])]
         unused = [c for c in ("pred_profile_ms", "err_profile_pct") if not self.args.profile]
         unused += [] if self.args.kernels else ["kernels"]
-        for column in ("batch", "kernels", "low_precision_ops", "warmup_steps", "timed_steps"):
+        for column in ("batch", "rounds", "kernels", "low_precision_ops", "warmup_steps",
+                       "timed_steps"):
             table[column] = table[column].astype("Int64")
         return table.drop(columns=unused).round(3)
 
@@ -434,6 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=1e9,
                         help="rows starting after this many seconds are skipped")
     parser.add_argument("--kernels", action="store_true", help="count kernels per step")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every row this many times in turn (the median counts)")
     parser.add_argument("--profile", help="a measured profile CSV: a second prediction")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     args = parser.parse_args(argv)
