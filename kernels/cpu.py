@@ -137,6 +137,7 @@ ff_round_wide = _ff.round_wide
 ff_cast_value = _ff.cast_value
 ff_widen = _ff.widen
 exp_dither_code = _ff.exp_dither_code
+exp_dither_value = _ff.exp_dither_value
 rng_bits = njit(rng.rng_bits)
 
 _MIN_CHUNK = 1 << 15
@@ -869,12 +870,7 @@ def exp_dither_decode(codes, m, out):
     """``±M · 2**-(c-1)`` from exponential-dithering codes."""
     m = np.float32(m)
     for j in prange(codes.size):
-        c = np.int64(codes[j])
-        k = (c & 0x7F) - 1
-        val = np.float32(0)
-        if k >= 0:
-            val = m * np.uint32(max(127 - k, 1) << 23).view(np.float32)
-        out[j] = -val if c & 0x80 else val
+        out[j] = exp_dither_value(codes[j], m)
 
 
 @_jit(parallel=True)

@@ -25,6 +25,7 @@ ff_encode = _ff.encode
 ff_round = _ff.round_bits
 ff_cast_value = _ff.cast_value
 exp_dither_code = _ff.exp_dither_code
+exp_dither_value = _ff.exp_dither_value
 rng_bits = _device(rng.rng_bits)
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
@@ -179,13 +180,18 @@ def _float_decode_kernel(codes, table, out):
         out[j] = table[codes[j]]
 
 
+@_device
+def _decoded_column_sum(codes, rows, stride, table, j):
+    s = np.float32(0)
+    for r in range(rows):
+        s += table[codes[r * stride + j]]
+    return s
+
+
 @cuda.jit
 def _float_decode_sum_kernel(codes, rows, stride, table, scale, out):
     for j in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        s = np.float32(0)
-        for r in range(rows):
-            s += table[codes[r * stride + j]]
-        out[j] = s * scale
+        out[j] = _decoded_column_sum(codes, rows, stride, table, j) * scale
 
 
 @cuda.jit
@@ -243,12 +249,7 @@ def _exp_dither_encode_kernel(x, m, key, out):
 @cuda.jit
 def _exp_dither_decode_kernel(codes, m, out):
     for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
-        c = np.int64(codes[j])
-        k = (c & 0x7F) - 1
-        val = np.float32(0)
-        if k >= 0:
-            val = m * np.uint32(max(127 - k, 1) << 23).view(np.float32)
-        out[j] = -val if c & 0x80 else val
+        out[j] = exp_dither_value(codes[j], m)
 
 
 @cuda.jit
@@ -425,10 +426,7 @@ def cgx_decode(payload, meta, bucket, bits, accumulate, out):
 def _float_decode_sum_dev_kernel(codes, rows, stride, table, scale, out):
     sc = scale[0]
     for j in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        s = np.float32(0)
-        for r in range(rows):
-            s += table[codes[r * stride + j]]
-        out[j] = s * sc
+        out[j] = _decoded_column_sum(codes, rows, stride, table, j) * sc
 
 
 @cuda.jit
@@ -443,12 +441,7 @@ def _exp_dither_encode_dev_kernel(x, m_arr, key, out):
 def _exp_dither_decode_dev_kernel(codes, m_arr, out):
     m = m_arr[0]
     for j in range(cuda.grid(1), codes.size, cuda.gridsize(1)):
-        c = np.int64(codes[j])
-        k = (c & 0x7F) - 1
-        val = np.float32(0)
-        if k >= 0:
-            val = m * np.uint32(max(127 - k, 1) << 23).view(np.float32)
-        out[j] = -val if c & 0x80 else val
+        out[j] = exp_dither_value(codes[j], m)
 
 
 def float_decode_sum_dev(codes, rows, stride, table, scale, out):

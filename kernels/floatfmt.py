@@ -342,6 +342,17 @@ def exp_dither_code(x, div, m, rbits):
     return code
 
 
+def exp_dither_value(c, m):
+    """The value ``±M · 2**-(c-1)`` of exponential-dithering code ``c`` (0: zero) under
+    the shared scale ``m`` (float32). Shared by the CPU and CUDA kernels."""
+    c = np.int64(c)
+    k = (c & 0x7F) - 1
+    val = f32(0)
+    if k >= 0:
+        val = m * np.uint32(max(127 - k, 1) << 23).view(f32)
+    return -val if c & 0x80 else val
+
+
 def build(jit):
     """Compile every scalar function here with the decorator ``jit``."""
     consts = jit(constants)
@@ -354,4 +365,5 @@ def build(jit):
                            encode_narrow=enc_n, round_narrow=round_n, round_wide=jit(round_wide),
                            cast_value=jit(_make_cast_value(nan)),
                            widen=jit(_make_widen(consts, dec, nan)),
-                           exp_dither_code=jit(exp_dither_code))
+                           exp_dither_code=jit(exp_dither_code),
+                           exp_dither_value=jit(exp_dither_value))
