@@ -131,6 +131,13 @@ class BilinearKernel(ABC):
     def grad_b(self, g: torch.Tensor, a: torch.Tensor, b_shape: torch.Size) -> torch.Tensor:
         """Gradient of ``f`` with respect to ``b`` for output gradient ``g``."""
 
+    def grads(self, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              needs: Sequence[bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both operand gradients from the operands themselves (None where ``needs`` says
+        no): what the native path's backward computes."""
+        return (self.grad_a(g, b, a.shape) if needs[0] else None,
+                self.grad_b(g, a, b.shape) if needs[1] else None)
+
     @abstractmethod
     def int8_product(self, a_codes: torch.Tensor, b_codes: torch.Tensor) -> torch.Tensor:
         """``f`` over int8 codes: the int32 accumulator, as fp32 (exact on every path)."""
@@ -235,6 +242,11 @@ class ConvKernel(BilinearKernel):
 
     def grad_b(self, g, a, b_shape):
         return self._backward(g, a, g.new_empty(1).expand(b_shape), [False, True, False])[1]
+
+    def grads(self, g, a, b, needs):
+        """One ``convolution_backward`` for both, as autograd's own backward calls it."""
+        grad_a, grad_b, _ = self._backward(g, a, b, [needs[0], needs[1], False])
+        return grad_a, grad_b
 
     def add_bias(self, out, bias):
         return out.add_(channel_view(bias, self.b_out_axis, out.dim()))

@@ -183,15 +183,11 @@ def _float_grads(ctx, kernel: BilinearKernel, g: torch.Tensor, a: torch.Tensor,
     dtypes (None where not needed)."""
     dtype = _FLOAT_DTYPES[backward]
     g = _cast(g, dtype)
-    a_shape, b_shape = ctx.shapes
-    grads = [None, None, None]
     with tf32_math(backward is Precision.TF32):
-        if ctx.needs_input_grad[0]:
-            grads[0] = _cast(kernel.grad_a(g, _cast(b, dtype), a_shape), ctx.dtypes[0])
-        if ctx.needs_input_grad[1]:
-            grads[1] = _cast(kernel.grad_b(g, _cast(a, dtype), b_shape), ctx.dtypes[1])
-    if ctx.needs_input_grad[2]:
-        grads[2] = _cast(kernel.bias_grad(g), ctx.dtypes[2])
+        operands = kernel.grads(g, _cast(a, dtype), _cast(b, dtype), ctx.needs_input_grad[:2])
+    grads = [None if grad is None else _cast(grad, want)
+             for grad, want in zip(operands, ctx.dtypes)]
+    grads.append(_cast(kernel.bias_grad(g), ctx.dtypes[2]) if ctx.needs_input_grad[2] else None)
     return grads
 
 

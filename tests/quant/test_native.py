@@ -213,3 +213,23 @@ def test_native_bf16_bert_launches_at_most_1_2x_autocasts_kernels(device):
     native, reference = count(ours), count(autocast)
     assert {d for _, d, _ in native.calls} == {(torch.bfloat16, torch.bfloat16)}
     assert native.count <= 1.2 * reference.count, (native.count, reference.count)
+
+
+@pytest.mark.parametrize("make, shape", [(lambda: nn.Conv2d(4, 8, 3, padding=1), (2, 4, 6, 6)),
+                                         (lambda: nn.Linear(8, 5), (3, 2, 8))])
+def test_split_precision_ops_compute_the_reference_gradients(make, shape):
+    """A forward/backward split (torch's autograd function path, one backward call for
+    both operands) gives the fp32 gradients when both passes compute in fp32 math (TF32
+    is CUDA's: on the CPU a tf32 product is an fp32 one)."""
+    torch.manual_seed(0)
+    reference, x = make(), torch.randn(*shape)
+    planned = copy.deepcopy(reference)
+    apply_plan_(planned, {"": {"forward": "fp32", "backward": "tf32"}})
+    grads = []
+    for model in (reference, planned):
+        inputs = x.clone().requires_grad_()
+        with execution("native"):
+            model(inputs).square().sum().backward()
+        grads.append([inputs.grad, *(p.grad for p in model.parameters())])
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
