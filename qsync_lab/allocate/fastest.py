@@ -10,7 +10,8 @@ pressure the Viterbi plan competes with two simple ones (every op in its narrowe
 precision; every op in its fastest by node cost alone) and the simulator's fastest of the
 three that fit wins, so the start is never slower than uniform low precision. The memory
 of every plan tried is the simulator's, not the chain estimate. If even the plan of least
-memory does not fit, the error states the least feasible budget.
+memory (the heaviest weight's, or one of the three) does not fit, the error states its
+memory as the least feasible budget.
 
 Example::
 
@@ -28,7 +29,7 @@ Example::
     ...                       index=["0", "2"])
     >>> choices = op_choices(ev.prepared.work, scores, ev.devices["T4"])
     >>> chain = chain_costs(ev.prepared.work, choices.ops, ev.devices["T4"], CostModel(),
-    ...                     batch_size=32)
+    ...                     batch_size=32, memory=ev.memory_model)
     >>> plan = fastest_feasible_plan(ev, "T4", choices, chain, budget_bytes=16 * 2**30)
     >>> sorted(str(p) for p in plan.values())
     ['fp16', 'fp16']
@@ -86,18 +87,18 @@ def fastest_feasible_plan(evaluator: PlanEvaluator, kind: str, choices: OpChoice
     """The fastest plan (op index -> precision, every candidate) of ``kind`` within budget.
 
     Raises:
-        QSyncError: no plan fits; the message gives the least memory any plan needs.
+        QSyncError: no plan fits; the message gives the least memory of the plans tried.
     """
     def plan_for(weight: float) -> dict[int, Precision]:
         return _as_plan(choices.ops, chain_viterbi(chain, choices, memory_weight=weight))
 
-    fitting = [plan for plan in (plan_for(0.0), _narrowest(choices), _fastest_nodes(chain, choices))
-               if evaluator.memory_bytes(kind, plan) <= budget_bytes]
+    starts = (plan_for(0.0), _narrowest(choices), _fastest_nodes(chain, choices))
+    fitting = [plan for plan in starts if evaluator.memory_bytes(kind, plan) <= budget_bytes]
     if fitting:
         return min(fitting, key=lambda plan: _compute_us(evaluator, kind, plan))
     low, high = _LOG10_WEIGHT_RANGE
     smallest = plan_for(10.0 ** high)
-    least_bytes = evaluator.memory_bytes(kind, smallest)
+    least_bytes = min(evaluator.memory_bytes(kind, plan) for plan in (smallest, *starts))
     if least_bytes > budget_bytes:
         raise QSyncError(f"{kind} needs at least {least_bytes / BYTES_PER_GIB:.2f} GiB per rank "
                          f"for this model and batch, the budget is "

@@ -197,7 +197,8 @@ class Allocator:
             device, work = self.evaluator.devices[kind], self.prepared.work
             choices = op_choices(work, self.indicator, device)
             batch = max(b for name, b in self.evaluator.classes if name == kind)
-            chain = chain_costs(work, choices.ops, device, self.costs, batch_size=batch)
+            chain = chain_costs(work, choices.ops, device, self.costs, batch_size=batch,
+                                memory=self.evaluator.memory_model)
             self._candidates[kind] = choices, chain, risk_frontiers(chain, choices)
         return self._candidates[kind]
 

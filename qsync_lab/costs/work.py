@@ -11,12 +11,13 @@ Batch scaling (explicit, as every consumer relies on it):
   computes something (views and factories are skipped: BERT's first op is a ``narrow``
   of the ``position_ids`` buffer, whose dim 0 is 1, not the batch). Pass
   ``traced_batch_size`` to :func:`op_work` to override the inference.
-* An op is *batched* when one of its input or output tensors has that size in dim 0. Its
-  FLOPs and activation bytes (inputs, outputs, saved tensors) scale linearly with
-  ``batch_size / traced_batch_size``; parameter bytes never scale. Ops on buffers (BERT's
-  position embedding, shape ``(1, seq, hidden)``) do not scale. Trace with a batch size
-  (≥ 2) that no other leading dimension shares, or every op with dim 0 = 1 counts as
-  batched.
+* An op is *batched* when one of its input or output tensors has that size in dim 0, or
+  when it reads a batched op's output (:func:`batch_sized`: a sequence model's loss reads
+  ``(batch * tokens, vocabulary)`` logits). Its FLOPs and activation bytes (inputs,
+  outputs, saved tensors) scale linearly with ``batch_size / traced_batch_size``;
+  parameter bytes never scale. Ops on buffers (BERT's position embedding, shape ``(1,
+  seq, hidden)``) do not scale. Trace with a batch size (≥ 2) that no other leading
+  dimension shares, or every op with dim 0 = 1 counts as batched.
 
 Bytes per precision: a tensor held in precision ``p`` takes ``bits(p) / 32`` of its traced
 (fp32) size; int8 ops write fp32 outputs (int32 accumulate, dequantised), and index tensors
@@ -54,8 +55,8 @@ import torch
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
 
-__all__ = ["PHASES", "OpWork", "batch_scales", "bits_ratio", "op_work", "phase_work", "shape_key",
-           "traced_batch_size", "unknown_op_message"]
+__all__ = ["PHASES", "OpWork", "batch_scales", "batch_sized", "bits_ratio", "op_work",
+           "phase_work", "shape_key", "traced_batch_size", "unknown_op_message"]
 
 #: the three compute phases of an operator, in the order they run
 PHASES = ("forward", "backward_input", "backward_weight")
@@ -85,7 +86,12 @@ class OpWork:
         float_output: whether the first output is a floating-point tensor.
         data_input_numel: float elements the op reads straight from graph inputs when it
             has no producer op (0 otherwise).
-        batched: whether the op's activations scale with the batch size.
+        saved_tensors: per op, the activations it keeps for backward that other ops may
+            keep too (:func:`qsync_lab.graph.opgraph.saved_tensors`), ``(owner,
+            storage_bytes, view_bytes, is_float)`` per tensor at the traced batch, ``owner``
+            the index of the op that wrote it (None: a graph input).
+        batched: whether the op's work and activations scale with the batch size
+            (:func:`batch_sized`).
         input_shapes, weight_shapes: traced shapes (for :func:`shape_key`).
         traced_batch_size: the batch size the graph was traced at.
     """
@@ -105,6 +111,7 @@ class OpWork:
     out_numel: np.ndarray
     weight_numel: np.ndarray
     saved_bytes: np.ndarray
+    saved_tensors: tuple[tuple[tuple[int | None, int, int, bool], ...], ...]
     float_output: np.ndarray
     data_input_numel: np.ndarray
     batched: np.ndarray
@@ -193,14 +200,34 @@ def op_work(graph, *, traced_batch_size: int | None = None) -> OpWork:
         weight_numel=np.array([sum(_numel(s) for s in shapes)
                                for shapes in ops["weight_shapes"]], float),
         saved_bytes=ops["saved_bytes"].to_numpy(float),
+        saved_tensors=tuple(tuple((None if owner is None else position[owner], storage, view,
+                                   is_float) for owner, storage, view, is_float in kept)
+                            for kept in ops["saved_tensors"]),
         float_output=np.array([bool(d) and _is_float(d[0]) for d in ops["output_dtypes"]]),
         data_input_numel=np.array(data_numel, float),
-        batched=np.array([any(len(s) > 0 and s[0] == batch for s in (*ins, *outs))
-                          for ins, outs in zip(input_shapes, output_shapes)]),
+        batched=batch_sized([any(len(s) > 0 and s[0] == batch for s in (*ins, *outs))
+                             for ins, outs in zip(input_shapes, output_shapes)], producers),
         input_shapes=input_shapes,
         weight_shapes=tuple(tuple(tuple(s) for s in shapes) for shapes in ops["weight_shapes"]),
         traced_batch_size=int(batch),
     )
+
+
+def batch_sized(leading: Sequence[bool], producers: Sequence[Sequence[int]]) -> np.ndarray:
+    """Per op (in execution order), whether its work grows with the batch: ``leading`` (a
+    tensor of it has the batch as its first dimension) or an op it reads does. The second
+    catches tensors whose first dimension folds the batch with another one, as a sequence
+    model's loss reads ``(batch * tokens, vocabulary)`` logits.
+
+    Example::
+
+        >>> batch_sized([True, False, False, False], [(), (0,), (1,), ()]).tolist()
+        [True, True, True, False]
+    """
+    batched = np.array(leading, bool)
+    for i, reads in enumerate(producers):
+        batched[i] = batched[i] or any(batched[p] for p in reads)
+    return batched
 
 
 def batch_scales(work: OpWork, batch_size: int) -> np.ndarray:

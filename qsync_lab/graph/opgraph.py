@@ -55,13 +55,14 @@ class OpGraph:
         ops: DataFrame indexed by op FQN (``name``), in execution order, with columns
             ``kind, target, input_shapes, input_dtypes, output_shapes, output_dtypes,
             weight_shapes, weight_dtypes, params, inputs, fwd_flops, bwd_input_flops, bwd_weight_flops,
-            bytes_read, bytes_written, saved_bytes, depth, plan_refusal`` (why a plan cannot
-            set the op, "" when it can; :mod:`qsync_lab.policy`).
+            bytes_read, bytes_written, saved_bytes, saved_tensors, depth, plan_refusal``
+            (``saved_tensors``: the op's row of :func:`saved_tensors`, which activations it
+            keeps that other ops may keep too; ``plan_refusal``: why a plan cannot set the
+            op, "" when it can, :mod:`qsync_lab.policy`).
         edges: DataFrame ``(src, dst)`` of data edges between ops.
         params: DataFrame indexed by parameter FQN: ``shape, dtype, numel, bytes,
             requires_grad, first_op`` (the first op that reads it), in
-            ``model.parameters()`` order; ``params.attrs["saved_tensors"]`` holds
-            :func:`saved_tensors` (which ops keep which activations) for the memory model.
+            ``model.parameters()`` order.
         traced_with: ``"fx"`` or ``"hooks"``.
         saved_bytes_by_device: bytes autograd keeps for backward, per device type (see
             :meth:`saved_activation_bytes`).
@@ -241,6 +242,7 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
         raise QSyncError(f"{type(model).__name__} ran no operators on the example inputs; "
                          "check that forward() uses its inputs")
     counts = {rec.name: count_op(rec) for rec in records}
+    kept = saved_tensors(records)
     depth = _depths(records)
     rows = []
     for rec in records:
@@ -263,6 +265,7 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
             "bytes_read": c.bytes_read,
             "bytes_written": c.bytes_written,
             "saved_bytes": c.saved_bytes,
+            "saved_tensors": kept[rec.name],
             "depth": depth[rec.name],
             "plan_refusal": rec.plan_refusal,
         })
@@ -271,9 +274,7 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
                          columns=["src", "dst"])
     saved = {device: _saved_activation_bytes(records, device) for device in ("cuda", "cpu")}
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    params = _param_table(model, records)
-    params.attrs[SAVED_TENSORS_ATTR] = SavedTensors(saved_tensors(records))
-    return OpGraph(ops, edges, params, traced_with, saved, buffer_bytes)
+    return OpGraph(ops, edges, _param_table(model, records), traced_with, saved, buffer_bytes)
 
 
 def _depths(records: list[OpRecord]) -> dict[str, int]:
@@ -289,33 +290,6 @@ def _depths(records: list[OpRecord]) -> dict[str, int]:
         depth[rec.name] = max(
             (depth[p] + (0 if kind[p] in VIEW_KINDS else 1) for p in preds), default=0)
     return depth
-
-
-#: the key of ``graph.params.attrs`` under which :func:`trace_graph` leaves
-#: :func:`saved_tensors` (a :class:`SavedTensors`) for the memory model
-#: (:class:`qsync_lab.simulate.memory.MemoryModel`), which is handed the graph's work
-#: arrays and its parameter table
-SAVED_TENSORS_ATTR = "saved_tensors"
-
-
-class SavedTensors(Mapping):
-    """Read-only ``op FQN -> saved_tensors(...)[op]``; pandas deep-copies a frame's
-    ``attrs`` on every selection, so a copy of this one is itself."""
-
-    def __init__(self, by_op: Mapping[str, tuple]) -> None:
-        self._by_op = dict(by_op)
-
-    def __getitem__(self, op: str) -> tuple:
-        return self._by_op[op]
-
-    def __iter__(self):
-        return iter(self._by_op)
-
-    def __len__(self) -> int:
-        return len(self._by_op)
-
-    def __deepcopy__(self, memo) -> "SavedTensors":
-        return self
 
 
 def saved_tensors(records: list[OpRecord], device_type: str = "cuda") -> dict[str, tuple]:

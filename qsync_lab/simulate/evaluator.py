@@ -155,6 +155,9 @@ class PlanEvaluator:
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``.
         compression: gradient compression settings (a spec, a mapping parameter pattern ->
             spec, or None; :mod:`qsync_lab.simulate.compression` costs them).
+
+    Attribute ``memory_model``: the :class:`~qsync_lab.simulate.memory.MemoryModel` of
+    every memory breakdown (the allocator's per-op estimates read it too).
     """
 
     def __init__(self, prepared: PreparedGraph, cluster: Cluster, costs: CostModel,
@@ -175,7 +178,7 @@ class PlanEvaluator:
         self._shared = [shares_cores(self.devices[name]) for name, _ in self.classes]
         self._bucket_bytes = float(prepared.bucket_bytes.sum())
         self._memo = _Memo(MEMO_SIZE)
-        self._memory_model = MemoryModel(prepared.work, prepared.graph.params,
+        self.memory_model = MemoryModel(prepared.work, prepared.graph.params,
                                          optimizer=optimizer, bucket_bytes=self._bucket_bytes)
         self._builders: dict[tuple[str, int], TimelineBuilder] = {}
         self._keys = {kind: self._memo.plan_key(plan) for kind, plan in self._state.items()}
@@ -306,7 +309,7 @@ class PlanEvaluator:
         return self._builders[(kind, batch)]
 
     def _memory(self, assignment: PrecisionAssignment, batch: int) -> dict[str, float]:
-        return self._memory_model.breakdown(assignment, batch_size=batch)
+        return self.memory_model.breakdown(assignment, batch_size=batch)
 
     def _replay(self, timelines: list[ComputeTimeline]) -> tuple[AllreduceReplay, float]:
         """The allreduce stream, then each class's unpack and optimizer step."""

@@ -12,19 +12,20 @@ Changing over backward, which runs the ops in reverse; while op ``i``'s backward
 
 * ``activations``: what ops ``0..i`` saved for backward (an op's saved tensors are freed
   once its backward has run), at the rank's batch size: an op's activations grow with
-  the batch when its tensors' first dimension is the batch or when it reads such an
-  op's output (:func:`memory_batched`: a sequence model's loss reads ``(batch * tokens,
-  classes)`` logits). A tensor is stored in its writer's output format
-  (``assignment.output``: fp16/bf16 ops write fp16/bf16, the others fp32), and an op
-  keeps what it saves in its own format (:func:`keep_format`: a GEMM in its precision's,
-  int8 as int8; an activation following a 16-bit op in 16 bits; a layer norm in fp32).
-  Where the two agree the op keeps the tensor itself, and a tensor several ops keep so
-  (a ReLU's output that the next convolution saves too, an attention's output that the
-  out-projection saves as a view, a layer norm's output that three fp32 projections
-  read) is held once, until the backward of the first of them in forward order; where
-  they differ the op keeps its own copy (a bf16 GEMM reading an fp32 ReLU output, an
-  fp32 norm reading a bf16 GEMM's). :func:`qsync_lab.graph.opgraph.saved_tensors` says
-  which ops keep which tensors (a saved view keeps its producer's whole output);
+  the batch when its work does (:func:`qsync_lab.costs.work.batch_sized`: a tensor's
+  first dimension is the batch, or the op reads such an op's output, as a sequence
+  model's loss reads ``(batch * tokens, classes)`` logits). A tensor is stored in its
+  writer's output format (``assignment.output``: fp16/bf16 ops write fp16/bf16, the
+  others fp32), and an op keeps what it saves in its own format (:func:`keep_format`: a
+  GEMM in its precision's, int8 as int8; an activation following a 16-bit op in 16
+  bits; a layer norm in fp32). Where the two agree the op keeps the tensor itself, and a
+  tensor several ops keep so (a ReLU's output that the next convolution saves too, an
+  attention's output that the out-projection saves as a view, a layer norm's output that
+  three fp32 projections read) is held once, until the backward of the first of them in
+  forward order; where they differ the op keeps its own copy (a bf16 GEMM reading an
+  fp32 ReLU output, an fp32 norm reading a bf16 GEMM's). ``OpWork.saved_tensors`` (from
+  :func:`qsync_lab.graph.opgraph.saved_tensors`) says which ops keep which tensors (a
+  saved view keeps its producer's whole output);
 * ``low_precision_weights``: the weight copies ops ``0..i`` encoded for forward and saved
   for backward: GEMM-shaped ops (linear, conv) whose precision is not stored in fp32
   (``numel * bits / 8``);
@@ -73,13 +74,11 @@ import pandas as pd
 
 from qsync_lab.costs import OpWork, batch_scales
 from qsync_lab.costs.work import bits_ratio
-from qsync_lab.graph.opgraph import SAVED_TENSORS_ATTR
 from qsync_lab.optimizers import optimizer_state_count
 from qsync_lab.precision import Precision
 from qsync_lab.policy import PLANNABLE_KINDS, PrecisionAssignment, storage_precision
 
-__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "MemoryModel", "keep_format",
-           "memory_batch_scales", "memory_batched", "memory_breakdown", "saved_bits"]
+__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "MemoryModel", "keep_format", "memory_breakdown"]
 
 MEMORY_COMPONENTS = ("master_weights", "low_precision_weights", "gradients", "ddp_buckets",
                      "optimizer_state", "activations", "workspace")
@@ -110,19 +109,6 @@ def keep_format(kind: str, precision: Precision) -> Precision:
     return _STORAGE[precision]
 
 
-def saved_bits(kind: str, precision: Precision) -> int:
-    """Bits per element of what an op of ``kind`` computed in ``precision`` saves of its
-    fp32 operands (the allocator's per-op estimate; :class:`MemoryModel` also follows the
-    operands' own formats and what several ops share).
-
-    Example::
-
-        >>> saved_bits("linear", Precision.INT8), saved_bits("layer_norm", Precision.BF16)
-        (8, 32)
-    """
-    return storage_precision(precision).bits if kind in ENCODED_KINDS else 32
-
-
 def memory_breakdown(work: OpWork, params: pd.DataFrame, assignment: PrecisionAssignment, *,
                      batch_size: int, optimizer: str, bucket_bytes: float) -> dict[str, float]:
     """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank.
@@ -142,15 +128,10 @@ def memory_breakdown(work: OpWork, params: pd.DataFrame, assignment: PrecisionAs
 class MemoryModel:
     """:func:`memory_breakdown` of one graph for many assignments: what no plan changes
     (the parameters, the gradients held per op, the buckets, the optimizer state) is
-    derived once.
-
-    ``saved_tensors``: per op FQN, the activations it keeps that other ops may keep too
-    (:func:`qsync_lab.graph.opgraph.saved_tensors`); None reads them from
-    ``params.attrs`` (:func:`~qsync_lab.graph.trace_graph` leaves them there), and
-    without them every op's ``saved_bytes`` counts as its own."""
+    derived once. Which activations several ops keep is ``work.saved_tensors``."""
 
     def __init__(self, work: OpWork, params: pd.DataFrame, *, optimizer: str,
-                 bucket_bytes: float, saved_tensors=None) -> None:
+                 bucket_bytes: float) -> None:
         self.work = work
         self._encoded = np.array([kind in ENCODED_KINDS for kind in work.kinds], bool)
         self._held_gradients = np.cumsum(_gradient_bytes_by_first_reader(work, params)[::-1])[::-1]
@@ -158,32 +139,38 @@ class MemoryModel:
         self._master_bytes = float(params["bytes"].sum())
         self._bucket_bytes = float(bucket_bytes)
         self._optimizer_bytes = optimizer_state_count(optimizer) * gradients
-        if saved_tensors is None:
-            saved_tensors = params.attrs.get(SAVED_TENSORS_ATTR)
-        self._shared = _SharedTensors(work, saved_tensors)
+        self._shared = _SharedTensors(work)
         self._keeps_fp32 = np.array([keep_format(kind, Precision.BF16) is Precision.FP32
                                      for kind in work.kinds], bool)
-        self._batched_ops = memory_batched(work)
         self._internal_grads = _internal_gradient_bytes(work)
         self._batched: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def saved(self, assignment: PrecisionAssignment, *, batch_size: int) -> np.ndarray:
+    def saved(self, assignment: PrecisionAssignment, *, batch_size: int,
+              split_shared: bool = False) -> np.ndarray:
         """Per op, the bytes of activations it holds for backward until its backward has
         run (a tensor several ops keep as it is counted at the first of them): their sum
-        is everything a training step saves."""
+        is everything a training step saves. With ``split_shared`` such a tensor counts
+        in even parts at each of them instead (wholly at its writer when the writer keeps
+        it, as a ReLU does): each op's share of the sum, which the allocator weighs per
+        op."""
         scale, own_fp32, _ = self._at_batch(batch_size)
         keep, written = self._formats(assignment)
         stored_bits = self._stored_bits(assignment)
-        return own_fp32 * stored_bits / 32 + self._shared.held(keep, written, scale)
+        return own_fp32 * stored_bits / 32 + self._shared.held(keep, written, scale,
+                                                               split=split_shared)
+
+    def weight_copies(self, assignment: PrecisionAssignment) -> np.ndarray:
+        """Per op, the bytes of the low-precision weight copy it encodes for forward and
+        keeps until its backward has run (GEMM-shaped ops not stored in fp32)."""
+        stored_bits = self._stored_bits(assignment)
+        return np.where(stored_bits < 32, self.work.weight_numel * stored_bits / 8, 0.0)
 
     def breakdown(self, assignment: PrecisionAssignment, *, batch_size: int) -> dict[str, float]:
         """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank."""
-        work = self.work
         _, _, transient_fp32 = self._at_batch(batch_size)
-        stored_bits = self._stored_bits(assignment)
         backward_ratio = bits_ratio([_STORAGE[q] for q in assignment.backward])
         saved = self.saved(assignment, batch_size=batch_size)
-        copies = np.where(stored_bits < 32, work.weight_numel * stored_bits / 8, 0.0)
+        copies = self.weight_copies(assignment)
         transient = transient_fp32 * backward_ratio
         held_activations = np.cumsum(saved)  # while op i's backward runs: ops 0..i
         held_copies = np.cumsum(copies)
@@ -217,45 +204,11 @@ class MemoryModel:
         it) together, in fp32."""
         if batch_size not in self._batched:
             work = self.work
-            scale = memory_batch_scales(work, batch_size, self._batched_ops)
+            scale = batch_scales(work, batch_size)
             self._batched[batch_size] = (
                 scale, self._shared.own_bytes * scale,
                 (work.out_bytes + work.act_read_bytes + self._internal_grads) * scale)
         return self._batched[batch_size]
-
-
-def memory_batched(work: OpWork) -> np.ndarray:
-    """Per op, whether its activations grow with the batch: ``work.batched`` (a tensor
-    whose first dimension is the batch) or any op it reads is. The second catches
-    activations whose first dimension folds the batch with another one, as a sequence
-    model's loss reads ``(batch * tokens, vocabulary)`` logits.
-
-    Example::
-
-        >>> import torch, torch.nn as nn
-        >>> from qsync_lab.costs import op_work
-        >>> from qsync_lab.graph import trace_graph
-        >>> class Tokens(nn.Module):
-        ...     def forward(self, x):
-        ...         return torch.softmax(torch.relu(x).flatten(0, 1), dim=-1)
-        >>> work = op_work(trace_graph(Tokens(), torch.randn(2, 3, 4)))
-        >>> work.kinds, work.batched.tolist(), memory_batched(work).tolist()
-        (('activation', 'view', 'softmax'), [True, True, False], [True, True, True])
-    """
-    batched = np.array(work.batched, bool)
-    for i, producers in enumerate(work.producers):
-        if not batched[i] and any(batched[p] for p in producers):
-            batched[i] = True
-    return batched
-
-
-def memory_batch_scales(work: OpWork, batch_size: int,
-                        batched: np.ndarray | None = None) -> np.ndarray:
-    """Per-op factor on activation bytes at ``batch_size`` (``batch_scales`` with the ops of
-    :func:`memory_batched`)."""
-    batch_scales(work, batch_size)  # QSyncError for a bad batch size
-    batched = memory_batched(work) if batched is None else batched
-    return np.where(batched, batch_size / work.traced_batch_size, 1.0)
 
 
 def _internal_gradient_bytes(work: OpWork) -> np.ndarray:
@@ -285,19 +238,18 @@ class _SharedTensors:
     itself; one that keeps them in another (a bf16 GEMM reading fp32, an fp32 norm reading
     a bf16 GEMM's output) keeps its own copy of what it reads in its format. A tensor
     several ops keep itself is counted once, at the first of them in forward order:
-    backward runs the ops in reverse, so that one's backward is the last to need it.
+    backward runs the ops in reverse, so that one's backward is the last to need it (or
+    split evenly among them, see :meth:`MemoryModel.saved`).
     """
 
-    def __init__(self, work: OpWork, saved_tensors) -> None:
-        position = {name: i for i, name in enumerate(work.names)}
+    def __init__(self, work: OpWork) -> None:
         ops, owners, storage, view, floats = [], [], [], [], []
         listed = np.zeros(len(work))
-        for i, name in enumerate(work.names):
-            entries = () if saved_tensors is None else saved_tensors.get(name, ())
+        for i, entries in enumerate(work.saved_tensors):
             for owner, storage_bytes, view_bytes, is_float in entries:
                 ops.append(i)
                 # a tensor is its owner op; a graph input one tensor of its own (negative)
-                owners.append(position.get(owner, -1 - len(owners)))
+                owners.append(-1 - len(owners) if owner is None else owner)
                 storage.append(storage_bytes)
                 view.append(view_bytes)
                 floats.append(bool(is_float))
@@ -313,12 +265,15 @@ class _SharedTensors:
         self.own_output = self.owners == self.ops
         first = np.r_[True, self.owners[1:] != self.owners[:-1]] if len(order) else \
             np.zeros(0, bool)
-        #: per row, the row its tensor's rows start at
+        #: per row, its tensor's number and the row that tensor's rows start at
+        self.group = np.cumsum(first) - 1
         self.group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
         self.num_ops = len(work)
 
-    def held(self, keep: np.ndarray, written: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        """Per op, the bytes of these tensors it holds.
+    def held(self, keep: np.ndarray, written: np.ndarray, scale: np.ndarray, *,
+             split: bool = False) -> np.ndarray:
+        """Per op, the bytes of these tensors it holds (``split``: its share of those it
+        keeps with others).
 
         Args:
             keep: per op, the storage format it keeps its saved float operands in (a
@@ -334,13 +289,18 @@ class _SharedTensors:
         stored = np.where(is_input, _FORMAT[Precision.FP32], written[owner])
         kept = keep[self.ops]
         as_is = ~self.floats | self.own_output | (kept == stored)
-        count = np.cumsum(as_is)
-        first_as_is = as_is & (count - count[self.group_start] + as_is[self.group_start] == 1)
+        if split:  # evenly among the ops keeping it as it is, unless its writer keeps it
+            keepers = np.bincount(self.group, weights=as_is)[self.group]
+            writer_keeps = np.bincount(self.group, weights=self.own_output)[self.group] > 0
+            share = np.where(writer_keeps, self.own_output, 1.0 / np.maximum(keepers, 1))
+        else:  # at the first op keeping it as it is
+            count = np.cumsum(as_is)
+            share = count - count[self.group_start] + as_is[self.group_start] == 1
         op_scale = scale[self.ops]
         tensor_bytes = self.storage * np.where(is_input, op_scale, scale[owner]) * np.where(
             self.floats, _FORMAT_BITS[stored] / 32, 1.0)
         copy_bytes = self.view * op_scale * _FORMAT_BITS[kept] / 32
-        held = np.where(as_is, np.where(first_as_is, tensor_bytes, 0.0), copy_bytes)
+        held = np.where(as_is, share * tensor_bytes, copy_bytes)
         return np.bincount(self.ops, weights=held, minlength=self.num_ops)
 
 

@@ -1,5 +1,6 @@
 import re
 
+import pandas as pd
 import pytest
 
 from qsync_lab.allocate import (Constraints, allocate, allocate_detailed,
@@ -81,6 +82,26 @@ def test_memory_alone_makes_a_fast_enough_kind_quantize(small_case):
     plan = allocate(prepared, cluster, costs, scores,
                     Constraints(memory_gib={"T4": budget_gib}, throughput_samples_per_s=1.0))
     assert plan.low_precision_ops()["T4"] > 0
+    _check(plan, prepared, cluster, costs, target_us=float("inf"), budget_gib=budget_gib)
+
+
+def test_a_budget_only_the_first_int8_linear_meets_is_met(small_case):
+    """With int8 the only low precision, the plan holding least quantizes the first linear
+    alone: its int8 copy replaces the fp32 input it keeps, while a later int8 linear keeps
+    an int8 copy of the fp32 output the ReLU before it keeps anyway. Judged by ``bits /
+    32`` of what each op saves, every int8 linear saved memory, and the allocator stated
+    the all-int8 plan's memory as the least."""
+    prepared, cluster, costs, scores = small_case
+    int8_only = pd.DataFrame({("int8", "risk"): scores[("int8", "risk")]})
+    evaluator = PlanEvaluator(prepared, cluster, costs)
+    ops = [prepared.work.index_of(name) for name in scores.index]
+    least = evaluator.memory_bytes("T4", {ops[0]: "int8"})
+    fp32 = evaluator.memory_bytes("T4", {})
+    assert least < fp32 < evaluator.memory_bytes("T4", dict.fromkeys(ops, "int8"))
+    budget_gib = (least + fp32) / 2 / GIB
+    plan = allocate(prepared, cluster, costs, int8_only,
+                    Constraints(memory_gib={"T4": budget_gib}, throughput_samples_per_s=1.0))
+    assert str(plan.precisions["T4"][scores.index[0]].forward) == "int8"
     _check(plan, prepared, cluster, costs, target_us=float("inf"), budget_gib=budget_gib)
 
 

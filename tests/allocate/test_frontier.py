@@ -17,7 +17,8 @@ def test_frontier_is_the_brute_force_frontier_of_a_chain_with_casts(small_case):
     prepared, cluster, costs, scores = small_case
     evaluator = PlanEvaluator(prepared, cluster, costs)
     choices = op_choices(prepared.work, scores, evaluator.devices["T4"])
-    chain = chain_costs(prepared.work, choices.ops, evaluator.devices["T4"], costs, batch_size=32)
+    chain = chain_costs(prepared.work, choices.ops, evaluator.devices["T4"], costs, batch_size=32,
+                        memory=evaluator.memory_model)
     frontier = risk_frontier(chain, choices)
     plans = [(_chain_us(chain, plan), choices.risk(dict(zip(choices.ops, plan))))
              for plan in itertools.product(*choices.ladders)]

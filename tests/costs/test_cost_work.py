@@ -8,6 +8,7 @@ import torch.nn as nn
 from qsync_lab.costs import batch_scales, op_work, phase_work, shape_key
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import trace_graph
+from qsync_lab.models.families import GPTDecoder, SequenceCrossEntropy
 
 
 class _WithPositions(nn.Module):
@@ -31,6 +32,24 @@ def test_traced_batch_and_unbatched_ops():
     assert scales == {"tok": 4.0, "pos": 1.0, "add": 4.0, "fc": 4.0}
     with pytest.raises(QSyncError, match="batch size must be a positive integer"):
         batch_scales(work, 0)
+
+
+def test_a_loss_over_batch_times_tokens_scales_with_the_batch():
+    """A GPT's loss reads ``(batch * tokens, vocab)`` logits, no dimension of which is the
+    batch: it is batched as it reads batched ops' outputs, its work 8x at 8x the batch."""
+    torch.manual_seed(0)
+    model = GPTDecoder(vocab=64, dim=32, heads=4, layers=1, max_len=16)
+    ids = torch.randint(0, 64, (2, 17))
+    work = op_work(trace_graph(model, (ids[:, :-1],), target=ids[:, 1:],
+                               loss_fn=SequenceCrossEntropy()))
+    loss = work.kinds.index("loss")
+    assert work.traced_batch_size == 2 and work.input_shapes[loss] == ((32, 64), (32,))
+    assert work.batched[loss] and batch_scales(work, 16)[loss] == 8.0
+    for phase in ("forward", "backward_input"):
+        (flops, nbytes), (flops16, nbytes16) = (
+            phase_work(work, ["fp32"] * len(work), phase, batch_size=b) for b in (2, 16))
+        assert flops[loss] > 0 and flops16[loss] == 8 * flops[loss]
+        assert nbytes[loss] > 0 and nbytes16[loss] == 8 * nbytes[loss]
 
 
 def test_override_traced_batch_size():

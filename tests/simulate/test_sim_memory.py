@@ -1,5 +1,6 @@
 """Peak memory against a hand count on a 2-layer model."""
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -228,3 +229,42 @@ def test_a_16_bit_norm_keeps_its_input_as_its_kernel_reads_it(norm, kept_bytes):
     fp32, bf16 = (model.saved(resolve_precisions(work, plan, a100), batch_size=batch)[1]
                   for plan in ({}, {"0": "bf16", "1": "bf16"}))
     assert fp32 - bf16 == batch * 16 * (4 - kept_bytes)  # its statistics fp32 either way
+
+
+def test_which_ops_share_a_tensor_travels_in_the_work_not_the_parameter_table():
+    """The tensors several ops keep are ``OpWork.saved_tensors`` (the graph's
+    ``saved_tensors`` column, owners as op indices): a parameter table built again (read
+    back from a file, by hand), with no pandas ``attrs``, holds the same activations."""
+    graph = _two_layers()
+    work = op_work(graph)
+    assert not graph.params.attrs
+    input_, relu_out = 2 * 8 * 4, 2 * 16 * 4   # at the traced batch, 2
+    assert work.saved_tensors == (((None, input_, input_, True),),   # layer 0: the data
+                                  ((1, relu_out, relu_out, True),),  # the ReLU: its output
+                                  ((1, relu_out, relu_out, True),))  # layer 2: the same
+    params = pd.DataFrame(graph.params.to_dict("list"), index=graph.params.index)
+    model = MemoryModel(work, params, optimizer="sgd", bucket_bytes=0.0)
+    fp32 = resolve_precisions(work, {}, load_catalog().device("T4"))
+    assert model.saved(fp32, batch_size=1024).sum() == 1024 * (8 * 4 + 16 * 4)
+
+
+def _first_and_split(graph, batch: int):
+    work = op_work(graph)
+    model = MemoryModel(work, graph.params, optimizer="sgd", bucket_bytes=0.0)
+    fp32 = resolve_precisions(work, {}, load_catalog().device("T4"))
+    first, split = (dict(zip(work.names, model.saved(fp32, batch_size=batch, split_shared=s)))
+                    for s in (False, True))
+    assert sum(first.values()) == sum(split.values())
+    return first, split
+
+
+def test_split_shared_counts_a_tensor_in_even_parts_unless_its_writer_keeps_it():
+    """fc1 and fc2 keep fc0's output: held at fc1 (the first), or half at each when split
+    (what each one's format decides); a ReLU's output that the next layer keeps too is
+    the ReLU's either way."""
+    batch = 1024
+    h = batch * 16 * 4
+    first, split = _first_and_split(trace_graph(_fork(), torch.randn(2, 8)), batch)
+    assert (first["fc1"], first["fc2"]) == (h, 0) and (split["fc1"], split["fc2"]) == (h / 2, h / 2)
+    first, split = _first_and_split(_two_layers(), batch)
+    assert (first["1"], first["2"]) == (split["1"], split["2"]) == (h, 0)
