@@ -52,7 +52,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
-from qsync_lab.compress import CompressionSpec
 from qsync_lab.compress.hook import CompressionState, StandaloneBucket, compression_hook
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
