@@ -15,34 +15,24 @@ Example::
 import torch.nn as nn
 
 from qsync_lab.graph.records import OpRecord, op_name_of
-from qsync_lab.policy import function_refusal, module_refusal
+from qsync_lab.policy import PLANNABLE_KINDS, function_refusal, module_refusal
 
 #: kinds whose output aliases an input (no data movement, no FLOPs)
 VIEW_KINDS = frozenset({"view"})
-
-#: kinds with weights whose precision a plan can change
-WEIGHTED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "embedding"})
 
 #: kinds whose FLOPs ``torch.utils.flop_counter`` counts at trace time (the shapes alone do
 #: not say them): attention, transposed convolution, recurrent layers, einsum-like
 #: contractions and calls of unknown kind
 COUNTED_KINDS = frozenset({"attention", "conv_transpose", "recurrent", "contraction", "other"})
 
+#: module class -> kind: the plannable kinds' torch classes (the policy's table), then the rest
 _MODULE_KINDS: list[tuple[type, str]] = [
-    (nn.Linear, "linear"),
-    (nn.Conv1d, "conv1d"),
-    (nn.Conv2d, "conv2d"),
-    (nn.Conv3d, "conv3d"),
-    (nn.Embedding, "embedding"),
+    *((rule.module_class, kind) for kind, rule in PLANNABLE_KINDS.items() if rule.torch_class),
     (nn.modules.conv._ConvTransposeNd, "conv_transpose"),
     (nn.MultiheadAttention, "attention"),
     (nn.RNNBase, "recurrent"),
     (nn.RNNCellBase, "recurrent"),
     (nn.Upsample, "resample"),
-    (nn.modules.batchnorm._BatchNorm, "batch_norm"),
-    (nn.LayerNorm, "layer_norm"),
-    (nn.GroupNorm, "group_norm"),
-    (nn.RMSNorm, "rms_norm"),
     (nn.Softmax, "softmax"),
     (nn.LogSoftmax, "softmax"),
     (nn.modules.pooling._MaxPoolNd, "pool"),
@@ -64,17 +54,14 @@ _ACTIVATIONS = (
     nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Mish, nn.Softplus,
 )
 
+#: operator name -> kind: the calls the policy lets a plan set, then the rest
 _FUNCTION_KINDS = {
-    "linear": "linear",
+    **{name: kind for kind, rule in PLANNABLE_KINDS.items() for name in rule.functions},
     "conv1d": "conv1d",
     "conv2d": "conv2d",
     "conv3d": "conv3d",
-    "matmul": "matmul",
-    "mm": "matmul",
-    "bmm": "matmul",
     "scaled_dot_product_attention": "attention",
-    "mha_in_projection": "linear",  # nn.MultiheadAttention's parts (qsync_lab.graph.attention)
-    "mha_attention": "attention",
+    "mha_attention": "attention",  # nn.MultiheadAttention's core (qsync_lab.graph.attention)
     "conv_transpose1d": "conv_transpose",
     "conv_transpose2d": "conv_transpose",
     "conv_transpose3d": "conv_transpose",

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from qsync_lab.graph.kinds import COUNTED_KINDS
 from qsync_lab.graph.records import OpRecord
+from qsync_lab.policy import GEMM_KINDS, NORM_KINDS
 
 #: nominal (forward, backward) FLOPs per output element of element-wise kinds
 ELEMENTWISE_FLOPS = {
@@ -75,7 +76,6 @@ RECURRENT_SAVED_FLOATS = {4: (16.0, 4.0), 3: (7.0, 0.5), 1: (1.2, 0.5)}
 _TRANSCENDENTAL = frozenset({"gelu", "tanh", "sigmoid", "silu", "elu", "mish", "softplus"})
 #: activations whose backward reads their output; the others (GELU, SiLU, ReLU6, ...) their input
 _SAVE_OUTPUT = frozenset({"relu", "sigmoid", "tanh"})
-_GEMM_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"})
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
     bytes are an :class:`_Output` when they include the op's own output."""
     out_numel = sum(t.numel for t in rec.outputs)
     out_bytes = sum(t.nbytes for t in rec.outputs)
-    if rec.kind in _GEMM_KINDS:
+    if rec.kind in GEMM_KINDS:
         return _count_gemm(rec, out_numel)
     if rec.kind in COUNTED_KINDS:
         return _count_counted(rec)
@@ -155,7 +155,7 @@ def _count(rec: OpRecord, device_type: str) -> tuple[int, int, int, tuple[int, .
         return fwd, bwd, 0, (), _Output(first, out_bytes - first)
     if kind in ("activation", "transcendental"):
         return fwd, bwd, 0, (0,) if rec.inputs else (), 0
-    if kind in ("batch_norm", "layer_norm", "group_norm", "rms_norm"):
+    if kind in NORM_KINDS:
         return fwd, bwd, bias_grad, (0,), _norm_stats_bytes(rec)
     if kind == "dropout":
         mask_itemsize = 1 if device_type == "cuda" else rec.outputs[0].dtype.itemsize

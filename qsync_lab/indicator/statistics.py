@@ -46,14 +46,10 @@ from qsync_lab.graph.kinds import function_kind, module_kind
 from qsync_lab.graph.records import op_name_of
 from qsync_lab.indicator.formats import noise_variance, operand_noise
 from qsync_lab.modelstate import preserved_state
-from qsync_lab.policy import DEFAULT_BACKWARD, function_refusal, kind_allows
+from qsync_lab.policy import (DEFAULT_BACKWARD, NORM_KINDS, SCORED_KINDS, function_refusal,
+                              kind_allows)
 from qsync_lab.precision import Precision
 
-#: kinds scored as bilinear ops (and embeddings): every GEMM-shaped plannable kind
-SCORED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul", "embedding"})
-#: normalisation kinds (fp16/bf16 I/O, fp32 math at run time); with SCORED_KINDS exactly the
-#: kinds of :data:`qsync_lab.policy.PLANNABLE_KINDS`
-NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm"})
 #: precisions whose I/O rounding a norm's boundary applies (fp32 leaves it alone)
 _ROUNDING_FLOATS = frozenset({Precision.FP16, Precision.BF16})
 

@@ -3,7 +3,8 @@
 * :class:`OpPrecision`: how one op computes (forward, backward, rounding, granularity) and
   the default backward of each forward precision (int8 → fp16, fp8 e4m3 → e5m2);
 * :mod:`~qsync_lab.policy.kinds`: which op kinds a plan may set, in which precisions,
-  through which calls (modules, functions), and the skip rules;
+  through which calls (modules, functions), and the skip rules; the kind sets every other
+  module reads (GEMMs, scored kinds, norms, weighted modules) derive from its table;
 * :mod:`~qsync_lab.policy.resolve`: what every other op runs in (the follow rules) and what
   each op writes (the storage rules).
 
@@ -17,7 +18,8 @@ Example::
     ['bf16', 'fp16', 'fp32']
 """
 
-from qsync_lab.policy.kinds import (PLANNABLE_KINDS, KindRule, allowed_precisions,
+from qsync_lab.policy.kinds import (GEMM_KINDS, NORM_KINDS, PLANNABLE_KINDS, SCORED_KINDS,
+                                    WEIGHTED_KINDS, KindRule, allowed_precisions,
                                     check_op_precision, forward_refusal, function_refusal,
                                     kind_allows, module_refusal, runs_natively)
 from qsync_lab.policy.op_precision import (DEFAULT_BACKWARD, FP8_PRECISIONS, GRANULARITIES,
@@ -27,8 +29,8 @@ from qsync_lab.policy.resolve import (ROUNDED_OUTPUTS, KindPlan, PrecisionAssign
                                       validate_plan)
 
 __all__ = [
-    "DEFAULT_BACKWARD", "FP8_PRECISIONS", "GRANULARITIES", "PLANNABLE_KINDS", "ROUNDED_OUTPUTS",
-    "ROUNDINGS",
+    "DEFAULT_BACKWARD", "FP8_PRECISIONS", "GEMM_KINDS", "GRANULARITIES", "NORM_KINDS",
+    "PLANNABLE_KINDS", "ROUNDED_OUTPUTS", "ROUNDINGS", "SCORED_KINDS", "WEIGHTED_KINDS",
     "KindPlan", "KindRule", "OpPrecision", "PrecisionAssignment", "allowed_precisions",
     "check_op_precision", "forward_refusal", "function_refusal", "kind_allows", "module_refusal",
     "output_precision", "resolve_precisions", "runs_natively", "storage_precision",

@@ -48,7 +48,8 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.policy.op_precision import OpPrecision
 from qsync_lab.precision import Precision
 
-__all__ = ["PLANNABLE_KINDS", "KindRule", "allowed_precisions", "check_op_precision",
+__all__ = ["GEMM_KINDS", "NORM_KINDS", "PLANNABLE_KINDS", "SCORED_KINDS", "WEIGHTED_KINDS",
+           "KindRule", "allowed_precisions", "check_op_precision",
            "forward_refusal", "function_refusal", "kind_allows", "module_refusal",
            "runs_natively"]
 
@@ -72,6 +73,8 @@ class KindRule:
             whether their kernel is given fp32 inputs (and writes the low dtype after)
             or reads the 16-bit inputs itself (batch norm's mixed-dtype kernels, as
             ``torch.autocast`` runs it).
+        gemm: whether the op is a matrix product (cuBLAS/cuDNN): its FLOPs follow from the
+            shapes, and it saves its operands for backward in the plan's format.
     """
 
     precisions: frozenset[Precision]
@@ -80,6 +83,18 @@ class KindRule:
     functions: frozenset[str] = frozenset()
     native: frozenset[Precision] = frozenset()
     fp32_inside: bool = True
+    gemm: bool = False
+
+    @property
+    def scored(self) -> bool:
+        """Whether the indicator scores the op's weight and activation (the GEMMs and
+        embeddings); the others are norms, which round their inputs and outputs."""
+        return self.replaces_forward
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the op is a module with its own weight that a plan re-encodes."""
+        return self.replaces_forward and self.torch_class is not None
 
     @property
     def module_class(self) -> type | None:
@@ -97,12 +112,13 @@ _GEMM_NATIVE = _FLOATS | {Precision.INT8, Precision.FP8_E4M3}
 #: op kind -> its rule; kinds not listed follow their inputs
 PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
     "linear": KindRule(_EVERY, "torch.nn.Linear", True,
-                       frozenset({"linear", "mha_in_projection"}), _GEMM_NATIVE),
-    "conv1d": KindRule(_EVERY, "torch.nn.Conv1d", True, native=_FLOATS),
-    "conv2d": KindRule(_EVERY, "torch.nn.Conv2d", True, native=_FLOATS),
-    "conv3d": KindRule(_EVERY, "torch.nn.Conv3d", True, native=_FLOATS),
+                       frozenset({"linear", "mha_in_projection"}), _GEMM_NATIVE, gemm=True),
+    "conv1d": KindRule(_EVERY, "torch.nn.Conv1d", True, native=_FLOATS, gemm=True),
+    "conv2d": KindRule(_EVERY, "torch.nn.Conv2d", True, native=_FLOATS, gemm=True),
+    "conv3d": KindRule(_EVERY, "torch.nn.Conv3d", True, native=_FLOATS, gemm=True),
     # batched products: torch's int8 and fp8 GEMMs take 2-d operands only
-    "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"}), _FLOATS),
+    "matmul": KindRule(_EVERY, None, True, frozenset({"matmul", "mm", "bmm"}), _FLOATS,
+                       gemm=True),
     "embedding": KindRule(_EVERY - {Precision.TF32}, "torch.nn.Embedding", True,
                           native=_NORM),
     "batch_norm": KindRule(_NORM, "torch.nn.modules.batchnorm._BatchNorm", False, native=_NORM,
@@ -111,6 +127,15 @@ PLANNABLE_KINDS: Mapping[str, KindRule] = MappingProxyType({
     "group_norm": KindRule(_NORM, "torch.nn.GroupNorm", False, native=_NORM),
     "rms_norm": KindRule(_NORM, "torch.nn.RMSNorm", False, native=_NORM),
 })
+
+#: matrix products: their FLOPs follow from the shapes; they save encoded operands
+GEMM_KINDS = frozenset(k for k, rule in PLANNABLE_KINDS.items() if rule.gemm)
+#: kinds the indicator scores by weight and activation sensitivity
+SCORED_KINDS = frozenset(k for k, rule in PLANNABLE_KINDS.items() if rule.scored)
+#: normalisations: 16-bit inputs and outputs at most, never scored
+NORM_KINDS = frozenset(PLANNABLE_KINDS) - SCORED_KINDS
+#: modules with a weight whose precision a plan changes
+WEIGHTED_KINDS = frozenset(k for k, rule in PLANNABLE_KINDS.items() if rule.weighted)
 
 
 def allowed_precisions(kind: str) -> frozenset[Precision]:

@@ -76,14 +76,13 @@ from qsync_lab.costs import OpWork, batch_scales
 from qsync_lab.costs.work import bits_ratio
 from qsync_lab.optimizers import optimizer_state_count
 from qsync_lab.precision import Precision
-from qsync_lab.policy import PLANNABLE_KINDS, PrecisionAssignment, storage_precision
+from qsync_lab.policy import (GEMM_KINDS, PLANNABLE_KINDS, PrecisionAssignment,
+                              storage_precision)
 
-__all__ = ["ENCODED_KINDS", "MEMORY_COMPONENTS", "MemoryModel", "keep_format", "memory_breakdown"]
+__all__ = ["MEMORY_COMPONENTS", "MemoryModel", "keep_format", "memory_breakdown"]
 
 MEMORY_COMPONENTS = ("master_weights", "low_precision_weights", "gradients", "ddp_buckets",
                      "optimizer_state", "activations", "workspace")
-#: op kinds whose runtime versions save their operands (and copy their weight) encoded
-ENCODED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul"})
 _STORAGE = {p: storage_precision(p) for p in Precision}
 _STORED_BITS = {p: storage.bits for p, storage in _STORAGE.items()}
 #: a storage format's code in the arrays of :class:`_SharedTensors`, and its bits by code
@@ -133,7 +132,7 @@ class MemoryModel:
     def __init__(self, work: OpWork, params: pd.DataFrame, *, optimizer: str,
                  bucket_bytes: float) -> None:
         self.work = work
-        self._encoded = np.array([kind in ENCODED_KINDS for kind in work.kinds], bool)
+        self._encoded = np.array([kind in GEMM_KINDS for kind in work.kinds], bool)
         self._held_gradients = np.cumsum(_gradient_bytes_by_first_reader(work, params)[::-1])[::-1]
         gradients = float(params.loc[params["requires_grad"], "bytes"].sum())
         self._master_bytes = float(params["bytes"].sum())
