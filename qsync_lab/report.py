@@ -229,8 +229,7 @@ def _figures(plan: Plan, study: "Study", sim, comparison: pd.DataFrame) -> list[
     from qsync_lab.viz import (plot_comparison, plot_indicator, plot_memory,
                                plot_precision_map, plot_timeline)
 
-    budgets = plan.constraints.memory_gib if plan.constraints is not None else None
-    figures = [plot_timeline(sim), plot_memory(sim, plan.cluster, memory_gib=budgets),
+    figures = [plot_timeline(sim), plot_memory(sim, plan.cluster),
                plot_precision_map(plan, study.graph), plot_comparison(comparison)]
     precision = _indicator_precision(plan, study)
     if precision is not None:

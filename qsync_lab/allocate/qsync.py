@@ -183,7 +183,7 @@ class Allocator:
         for kind, ops in validate_plan(plan.precisions, self.prepared.work, cluster.device_kinds,
                                        cluster.catalog).items():
             evaluator.accept(evaluator.propose_plan(kind, ops))
-        return render(evaluator)
+        return render(evaluator, plan.constraints)
 
     @functools.cached_property
     def evaluator(self) -> PlanEvaluator:

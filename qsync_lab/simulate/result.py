@@ -57,6 +57,8 @@ class SimResult:
         idle_us: per rank, the time its compute stream waits (iteration minus busy time).
         tensor_peak_bytes: per rank, the sum of ``memory_breakdown``'s components.
         memory_breakdown: per rank (rows), bytes per memory component (columns).
+        memory_budget_bytes: per rank, the memory budget of the plan's constraints (its
+            device's memory where the plan records none).
         wire_bytes: per rank, bytes it sends per iteration (ring allreduce).
         throughput_samples_per_s: global batch / iteration time.
         rank_devices: device kind per rank.
@@ -70,6 +72,7 @@ class SimResult:
     idle_us: pd.Series
     tensor_peak_bytes: pd.Series
     memory_breakdown: pd.DataFrame
+    memory_budget_bytes: pd.Series
     wire_bytes: pd.Series
     throughput_samples_per_s: float
     rank_devices: tuple[str, ...]

@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from qsync_lab.cluster import Cluster
+from qsync_lab.constraints import Constraints
 from qsync_lab.costs import Cost, CostModel
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import OpGraph
@@ -90,15 +91,17 @@ def simulate(graph: "OpGraph | PreparedGraph", plan: "Plan | Mapping[str, KindPl
     """
     if isinstance(plan, Plan) and compression is None:
         compression = plan.compression_settings
+    constraints = plan.constraints if isinstance(plan, Plan) else None
     plan, cluster, optimizer = plan_parts(plan, cluster, optimizer)
     costs = costs if costs is not None else CostModel()
     prepared = _prepared(graph, bucket_cap_mb)
     return render(PlanEvaluator(prepared, cluster, costs, plan, optimizer=optimizer,
-                                compression=compression))
+                                compression=compression), constraints)
 
 
-def render(evaluator: PlanEvaluator) -> SimResult:
-    """The :class:`SimResult` of an evaluator's current state."""
+def render(evaluator: PlanEvaluator, constraints: Constraints | None = None) -> SimResult:
+    """The :class:`SimResult` of an evaluator's current state, its memory budgets those of
+    ``constraints`` (default: each device's memory)."""
     prepared, cluster, replay = evaluator.prepared, evaluator.cluster, evaluator.replay
     states = evaluator.states
     comm = _comm_stream(replay, evaluator.comm, prepared.bucket_bytes)
@@ -114,11 +117,15 @@ def render(evaluator: PlanEvaluator) -> SimResult:
     ranks = pd.RangeIndex(cluster.world_size, name="rank")
     per_rank_memory = memory.iloc[class_of_rank].set_axis(ranks)
     wire = sum(bucket.sent_bytes for bucket in evaluator.comm)
+    budgets = constraints or Constraints()
     return SimResult(
         iteration_us=iteration_us,
         idle_us=pd.Series(iteration_us - busy_us, index=ranks, name="idle_us"),
         tensor_peak_bytes=per_rank_memory.sum(axis=1).rename("tensor_peak_bytes"),
         memory_breakdown=per_rank_memory,
+        memory_budget_bytes=pd.Series([budgets.memory_budget_bytes(cluster, r.device)
+                                       for r in cluster.ranks], index=ranks,
+                                      name="memory_budget_bytes"),
         wire_bytes=pd.Series(float(wire), index=ranks, name="wire_bytes"),
         throughput_samples_per_s=cluster.global_batch_size / (iteration_us / _US_PER_S),
         rank_devices=tuple(r.device for r in cluster.ranks),

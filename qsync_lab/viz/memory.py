@@ -22,7 +22,9 @@ def plot_memory(sim, cluster, *, memory_gib: Mapping[str, float] | None = None,
     Args:
         sim: the :class:`~qsync_lab.simulate.SimResult`.
         cluster: the cluster it simulated (the limits are its devices' memory).
-        memory_gib: per device kind, a per-rank budget in GiB to draw as the limit instead.
+        memory_gib: per device kind, a per-rank budget in GiB to draw as the limit instead
+            of the simulation's (:attr:`~qsync_lab.simulate.SimResult.memory_budget_bytes`:
+            the plan's budgets, else the device's memory).
         ranks: ranks to draw (default: the first rank of each class of ranks).
         title: figure title.
 
@@ -49,8 +51,8 @@ def plot_memory(sim, cluster, *, memory_gib: Mapping[str, float] | None = None,
     fig = go.Figure([go.Bar(name=component, x=labels, y=used_gib[component].tolist(),
                             hovertemplate="%{x}: %{y:.3f} GiB")
                      for component in used_gib.columns])
-    budgets = Constraints(dict(memory_gib or {}))
-    limit_gib = [budgets.memory_budget_bytes(cluster, sim.rank_devices[r]) / BYTES_PER_GIB
+    given = Constraints(dict(memory_gib or {})).for_cluster(cluster).memory_gib
+    limit_gib = [given.get(sim.rank_devices[r], sim.memory_budget_bytes.iloc[r] / BYTES_PER_GIB)
                  for r in selected]
     fig.add_trace(go.Scatter(name="limit", x=labels, y=limit_gib, mode="markers",
                              marker=_LIMIT_MARKER, hovertemplate="%{x}: limit %{y:.1f} GiB"))

@@ -11,7 +11,6 @@ Example::
 
 import html
 
-from qsync_lab.constraints import Constraints
 from qsync_lab.devices import BYTES_PER_GIB
 from qsync_lab.widgets.replan import TunerResult
 
@@ -25,14 +24,13 @@ def summary_html(result: TunerResult) -> str:
     """The summary of ``result``."""
     plan, sim, settings = result.plan, result.sim, result.settings
     cluster = plan.cluster
-    budgets = plan.constraints or Constraints(dict(result.memory_gib))
     low_ops = plan.low_precision_ops()
     rows = []
     for kind in cluster.device_kinds:
         ranks = [r.rank for r in cluster.ranks if r.device == kind]
         batches = "/".join(str(b) for b in sorted({cluster.ranks[r].batch_size for r in ranks}))
         peak_gib = sim.tensor_peak_bytes.iloc[ranks].max() / BYTES_PER_GIB
-        limit_gib = budgets.memory_budget_bytes(cluster, kind) / BYTES_PER_GIB
+        limit_gib = sim.memory_budget_bytes.iloc[ranks].max() / BYTES_PER_GIB
         rows.append(f"<tr><td>{html.escape(kind)}</td><td>{len(ranks)} x {batches}</td>"
                     f"<td>{peak_gib:.3f} / {limit_gib:.2f} GiB</td><td>{low_ops[kind]}</td></tr>")
     target = settings.throughput_samples_per_s

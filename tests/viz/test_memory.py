@@ -47,3 +47,16 @@ def test_the_axis_scales_to_a_tight_budget_and_names_the_limits_above_it(sim, cl
     assert [a.text for a in fig.layout.annotations] == ["limit 32 GiB ↑"]  # the V100's
     loose = plot_memory(sim, cluster)  # 16 and 32 GiB: both on the axis
     assert loose.layout.yaxis.range[1] == pytest.approx(1.15 * 32) and not loose.layout.annotations
+
+
+def test_the_limit_is_the_budget_the_plan_was_made_under(graph, plan, cluster):
+    from dataclasses import replace
+
+    from qsync_lab.constraints import Constraints
+    from qsync_lab.simulate import simulate
+
+    budgeted = simulate(graph, replace(plan, constraints=Constraints({"T4": 2.5})))
+    assert budgeted.memory_budget_bytes.tolist() == [cluster.device_of(0).memory_bytes,
+                                                     2.5 * GIB]
+    assert list(plot_memory(budgeted, cluster).data[-1].y) == [
+        cluster.device_of(0).memory_bytes / GIB, 2.5]
