@@ -103,10 +103,10 @@ def validate_plan(plan: Mapping[str, KindPlan], work, device_names: tuple[str, .
             precision its kind or the device cannot run, in one line.
     """
     resolved: dict[str, dict[int, OpPrecision]] = {name: {} for name in device_names}
-    for kind_name, ops in plan.items():
-        device = catalog.device(kind_name)
+    for device_kind, ops in plan.items():
+        device = catalog.device(device_kind)
         if device.name not in resolved:
-            raise QSyncError(f"the plan has device kind {kind_name!r}, which the cluster does "
+            raise QSyncError(f"the plan has device kind {device_kind!r}, which the cluster does "
                              f"not have ({', '.join(device_names)}); remove it or fix the name")
         resolved[device.name] = _checked_kind_plan(work, ops, device)
     return resolved

@@ -28,9 +28,9 @@ __all__ = ["apply_op_precision_", "apply_resolved_plan_", "function_runs_in"]
 _GUARDED = "qsync_fp32_inputs"  # set on a module once it has the fp32-inputs hook
 
 
-def apply_resolved_plan_(model: nn.Module, graph, kind_plan: KindPlan,
+def apply_resolved_plan_(model: nn.Module, graph, device_plan: KindPlan,
                          device) -> dict[str, str]:
-    """Apply ``kind_plan`` and its followers to ``model`` in place; return what each op
+    """Apply ``device_plan`` (one device kind's ops -> precision) and its followers to ``model`` in place; return what each op
     that does not run in fp32 now runs (op FQN -> config text).
 
     Example::
@@ -44,21 +44,21 @@ def apply_resolved_plan_(model: nn.Module, graph, kind_plan: KindPlan,
         {'0': 'bf16/bf16 nearest tensor', '1': 'bf16/bf16 nearest tensor'}
     """
     work = op_work(graph)
-    assignment = resolve_precisions(work, dict(kind_plan), device)
+    assignment = resolve_precisions(work, dict(device_plan), device)
     planned = {work.names[i]: cfg for i, cfg in assignment.planned.items()}
     apply_plan_(model, planned, device=device)
     modules = dict(model.named_modules())
     applied, fp32_gemms = {}, []
-    for i, (name, kind) in enumerate(zip(work.names, work.kinds)):
+    for i, (name, op_kind) in enumerate(zip(work.names, work.kinds)):
         cfg = assignment.config(i)
         if cfg.is_fp32:
-            if kind in PLANNABLE_KINDS and kind != "embedding":
+            if op_kind in PLANNABLE_KINDS and op_kind != "embedding":
                 fp32_gemms.append(name)
             continue
         if name in planned:
             applied[name] = str(cfg)
-        elif kind == "activation" and name in modules:
-            handler_for(kind).apply(modules[name], cfg, name)
+        elif op_kind == "activation" and name in modules:
+            handler_for(op_kind).apply(modules[name], cfg, name)
             applied[name] = str(cfg)
     if any(p in ROUNDED_OUTPUTS for p in assignment.output):
         _guard_fp32_ops(model, modules, fp32_gemms)
