@@ -5,13 +5,13 @@ arguments, converts tensors zero-copy and picks a backend; it is split by routin
 ``reductions.py`` (``absmax``, ``l2norm``), ``int8.py``, ``floats.py`` (float-format casts),
 ``aps.py``, ``global_qsgd.py``, ``cgx.py`` and ``qsgd.py``, on the shared ``plumbing.py``
 (backend choice, argument checks, output buffers). The kernels themselves are in
-``reference.py`` (NumPy), ``cpu.py`` and ``cuda.py`` (Numba).
+``reference.py`` (NumPy), ``cpu/`` and ``cuda.py`` (Numba).
 
 Backends (``backend=``): ``"auto"`` (CUDA kernels for CUDA tensors, CPU kernels otherwise),
 ``"cpu"`` (Numba ``njit(parallel=True)``), ``"cuda"`` (Numba ``cuda.jit``; CUDA tensors, or
 CPU tensors under ``NUMBA_ENABLE_CUDASIM=1``) and ``"reference"`` (NumPy, ``reference.py``).
 Numba is imported, and kernels compiled, on first use only; the CPU kernels are also cached
-on disk (Numba's ``cache=True``, see ``cpu.py``), so later processes load them instead of
+on disk (Numba's ``cache=True``, see ``cpu/``), so later processes load them instead of
 compiling them again.
 
 Conventions:

@@ -1,6 +1,6 @@
-"""CUDA kernels (``numba.cuda.jit``) with host launchers that mirror ``cpu.py``'s signatures.
+"""CUDA kernels (``numba.cuda.jit``) with host launchers that mirror ``cpu``'s signatures.
 
-Each public function here takes the same arguments as its ``cpu.py`` namesake (device
+Each public function here takes the same arguments as its ``cpu`` namesake (device
 arrays on a GPU; NumPy arrays under ``NUMBA_ENABLE_CUDASIM=1``) and launches a grid-stride
 kernel. Reductions use shared memory and one atomic per block (the simulator has no warp
 shuffles). The scalar numerics are the very functions of ``floatfmt.py`` and ``rng.py``
@@ -77,13 +77,19 @@ def _block_max(sm, tid):
 
 
 @_device
-def _block_sum(sm, tid):
+def _add_block_sum(sm, tid, acc, out):
+    """Add the sum of the block's threads' ``acc`` to ``out[0]``: a tree sum in the shared
+    ``sm`` (one slot a thread), then one atomic add."""
+    sm[tid] = acc
+    cuda.syncthreads()
     step = TPB // 2
     while step > 0:
         if tid < step:
             sm[tid] += sm[tid + step]
         cuda.syncthreads()
         step //= 2
+    if tid == 0:
+        cuda.atomic.add(out, 0, sm[0])
 
 
 @_device
@@ -161,11 +167,7 @@ def _fake_quantize_kernel(x, scales, inner, nch, stochastic, key, out_fmt, out, 
         out[j] = y
         d = np.float64(y) - np.float64(x[j])
         acc += d * d
-    sm[tid] = acc
-    cuda.syncthreads()
-    _block_sum(sm, tid)
-    if tid == 0:
-        cuda.atomic.add(sse, 0, sm[0])
+    _add_block_sum(sm, tid, acc, sse)
 
 
 @cuda.jit
@@ -232,11 +234,7 @@ def _sum_squares_kernel(x, out):
     for j in range(cuda.grid(1), x.size, cuda.gridsize(1)):
         d = np.float64(x[j])
         acc += d * d
-    sm[tid] = acc
-    cuda.syncthreads()
-    _block_sum(sm, tid)
-    if tid == 0:
-        cuda.atomic.add(out, 0, sm[0])
+    _add_block_sum(sm, tid, acc, out)
 
 
 @cuda.jit

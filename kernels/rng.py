@@ -11,8 +11,9 @@ kept below 2**49, so the same plain-Python function gives identical results as P
 integers, as NumPy int64 scalars (the CUDA simulator) and as Numba int64 (CPU and CUDA)
 without ever overflowing: multiplications by 32-bit constants are split into two 16-bit
 halves. A uniform number in [0, 1) is ``(rng_bits(key, i) >> 8) * 2**-24`` (exact in
-float32). ``cpu.py`` and ``cuda.py`` compile these very functions; ``reference.py`` has a
-vectorised NumPy twin that a test checks against them.
+float32). ``cuda.py`` compiles these very functions and ``cpu/scalar.py`` computes them in
+32-bit lanes (``rng_bits32``); ``reference.py`` has a vectorised NumPy twin that a test
+checks against them.
 
 CGX's stochastic rounding takes 16 random bits per element, from one hash per pair of
 elements: element ``i`` gets half ``i % 2`` (low half first) of ``rng_bits(key, i // 2)``,

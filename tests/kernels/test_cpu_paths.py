@@ -110,11 +110,11 @@ def test_short_row_outputs_go_to_out():
 
 def test_period_vector():
     s = np.array([1.0, 2.0, 3.0], np.float32)
-    v = cpu._period_vector(s, 2, 3)
-    assert v.size % 6 == 0 and v.size >= cpu.VEC_MIN
+    v = cpu.layout._period_vector(s, 2, 3)
+    assert v.size % 6 == 0 and v.size >= cpu.layout.VEC_MIN
     assert v[:7].tolist() == [1, 1, 2, 2, 3, 3, 1]
-    assert cpu._period_vector(s, cpu.VEC_INNER, 3) is None
-    assert cpu._period_vector(s[:1], 1, 1) is None
+    assert cpu.layout._period_vector(s, cpu.layout.VEC_INNER, 3) is None
+    assert cpu.layout._period_vector(s[:1], 1, 1) is None
 
 
 # ----------------------------------------------------------------------------- rng
@@ -126,21 +126,21 @@ def test_rng_bits32_matches_rng_bits():
     for seed in (0, 1, 2**63 - 1):
         key = rng.rng_key(seed)
         want = reference.rng_bits(key, np.array(idx, dtype=np.int64)).tolist()
-        assert [int(cpu.rng_bits32(key, i)) for i in idx] == want
+        assert [int(cpu.scalar.rng_bits32(key, i)) for i in idx] == want
 
 
 def test_runs_split_at_multiples_of_2_32_and_keep_the_global_index():
     # a run never crosses a multiple of 2**32, so stochastic rounding can hash its index
     # as a per-element low word and a per-run high word
-    assert cpu._period_stop(2**32 - 5, 2**32 + 100, 1024) == ((2**32 - 5) % 1024, 2**32)
-    assert cpu._segment(2**32 - 5, 2**33, 2**32, 3)[1] == 2**32
-    assert cpu._segment(2**32, 2**33, 2**40, 3)[1] == 2**33
+    assert cpu.layout._period_stop(2**32 - 5, 2**32 + 100, 1024) == ((2**32 - 5) % 1024, 2**32)
+    assert cpu.layout._segment(2**32 - 5, 2**33, 2**32, 3)[1] == 2**32
+    assert cpu.layout._segment(2**32, 2**33, 2**40, 3)[1] == 2**33
     x = _x((500,)).numpy()
     key = rng.rng_key(6)
     for j0 in (2**32 - 500, 2**32, 2**33 + 17):
         out = np.zeros(500, np.int8)
-        cpu._q_run(x, x.view(np.int32), out, np.float32(0.05), np.float32(-127),
-                   np.float32(127), True, key, j0)
+        cpu.int8._q_run(x, x.view(np.int32), out, np.float32(0.05), np.float32(-127),
+                        np.float32(127), True, key, j0)
         u = (reference.rng_bits(key, np.arange(j0, j0 + 500)) >> 8).astype(np.float32)
         v = (x / np.float32(0.05)).astype(np.float32)
         f = np.floor(v)
@@ -161,10 +161,10 @@ def test_cgx_pair_stream_runs_split_at_multiples_of_2_33():
         u = (h & 0xFFFF).astype(np.float32) * np.float32(2.0**-16)
         want = np.clip(np.floor((x - lo) * inv + u), 0, 15).astype(np.uint8)
         codes = np.zeros(x.size, np.uint8)
-        cpu._cgx_group_codes(x, lo, inv, 15, True, key, j0, codes, False)
+        cpu.cgx._cgx_group_codes(x, lo, inv, 15, True, key, j0, codes, False)
         np.testing.assert_array_equal(codes, want)
         packed = np.zeros((x.size + 1) // 2, np.uint8)
-        cpu._cgx_group_codes(x, lo, inv, 15, True, key, j0, packed, True)
+        cpu.cgx._cgx_group_codes(x, lo, inv, 15, True, key, j0, packed, True)
         np.testing.assert_array_equal(packed & 15, want[0::2])
         np.testing.assert_array_equal(packed[:-1] >> 4, want[1::2])
 
@@ -225,7 +225,7 @@ def test_narrow_twins_equal_generic_functions():
 
 @pytest.mark.parametrize("fmt", [(4, 3), (5, 2), (2, 1), (7, 22), (3, 0), (8, 7)])
 def test_specialised_round_and_aps_match_reference(fmt, monkeypatch):
-    monkeypatch.setattr(cpu, "SPECIALIZE_MIN", 0)
+    monkeypatch.setattr(cpu.floats, "SPECIALIZE_MIN", 0)
     x = torch.from_numpy(_probe_bits()[::7].view(np.float32))
     spec = floatfmt.ieee_format(*fmt)
     got = float_round(x, fmt).numpy().view(np.uint32)
@@ -259,29 +259,33 @@ def test_exp_dither_code_scalar_matches_reference():
 
 
 def test_disk_cache_key_includes_the_inlined_modules():
-    """A cached kernel inlines floatfmt and rng: editing them must miss the cache."""
-    disp = cpu._quantize
+    """A cached kernel inlines floatfmt, rng and the helpers of the other CPU kernel
+    modules: editing any of them must miss the cache."""
+    disp = cpu.int8._quantize
     cache = getattr(disp, "_cache", None)
     if type(cache).__name__ != "FunctionCache":
         pytest.skip("no disk cache in this install")
     key = cache._index_key((), disp.targetctx.codegen())
-    assert key[-1] == cpu._DEPS_DIGEST == cpu._sources_digest(floatfmt, rng)
+    jit = cpu.jit
+    assert key[-1] == jit._DEPS_DIGEST == jit._sources_digest(*jit._DEPENDENCIES)
+    names = {os.path.basename(path) for path in jit._DEPENDENCIES}
+    assert {"floatfmt.py", "rng.py", "layout.py", "scalar.py", "int8.py"} <= names
 
 
 def test_jit_falls_back_without_a_cache_location():
     ns = {}
     exec("def f(a):\n    return a + 1\n", ns)  # no source file: Numba cannot cache it
-    f = cpu._jit()(ns["f"])
+    f = cpu.jit._jit()(ns["f"])
     assert f(41) == 42
 
 
 _FACTORY_KERNEL_RUN = """
 import numpy as np
-from qsync_lab.kernels import cpu
-kernel = cpu._dequantize_for(cpu.floatfmt.FP16)  # closes over another jitted function
+from qsync_lab.kernels import cpu, floatfmt
+kernel = cpu.int8._dequantize_for(floatfmt.FP16)  # closes over another jitted function
 q = np.arange(-64, 64, dtype=np.int8)
 out = np.empty(q.size, dtype=np.uint32)
-cpu.dequantize(q, np.ones(1, np.float32), q.size, 1, out, fmt=cpu.floatfmt.FP16)
+cpu.dequantize(q, np.ones(1, np.float32), q.size, 1, out, fmt=floatfmt.FP16)
 print(len(kernel.stats.cache_hits), len(kernel.stats.cache_misses))
 """
 
@@ -289,7 +293,7 @@ print(len(kernel.stats.cache_hits), len(kernel.stats.cache_misses))
 def test_a_factory_kernel_is_loaded_from_the_disk_cache_in_a_later_process(tmp_path):
     """Its closure holds a jitted function, which pickles with a per-process id: keyed by
     that, the kernel was compiled again in every process (seconds each)."""
-    if type(getattr(cpu._quantize, "_cache", None)).__name__ != "FunctionCache":
+    if type(getattr(cpu.int8._quantize, "_cache", None)).__name__ != "FunctionCache":
         pytest.skip("no disk cache in this install")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
 
@@ -320,7 +324,7 @@ def test_kernels_of_two_formats_cached_by_two_processes_run_together(tmp_path):
     """Each format's factory kernels compiled and cached by a process of its own, then both
     loaded by one process: each runs its own format (a helper linked by a name common to
     both formats once made the second kernel run the first's widening)."""
-    if type(getattr(cpu._quantize, "_cache", None)).__name__ != "FunctionCache":
+    if type(getattr(cpu.int8._quantize, "_cache", None)).__name__ != "FunctionCache":
         pytest.skip("no disk cache in this install")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
 

@@ -109,7 +109,7 @@ def test_float_decode_sum_of_no_rows_is_zero_and_bad_input_is_refused():
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("scale", [None, 1.0, 0.37, torch.tensor(2.5)])
-@pytest.mark.parametrize("n", [500, cpu.SPECIALIZE_MIN])  # generic and format-specialised
+@pytest.mark.parametrize("n", [500, cpu.floats.SPECIALIZE_MIN])  # generic and format-specialised
 def test_float_quantize_is_scaled_encode_then_decode(name, scale, n):
     x = _x(n)
     want = float_encode(x if scale is None else x / torch.as_tensor(scale), name)
@@ -190,6 +190,6 @@ def test_round_wide_equals_round_bits():
 
 @pytest.mark.parametrize("name", ["bf16", (8, 10)])
 def test_specialised_wide_round_kernel_equals_the_generic_one(name):
-    x = torch.cat([_x(cpu.SPECIALIZE_MIN), torch.tensor(SPECIAL) * 1e-30])
+    x = torch.cat([_x(cpu.floats.SPECIALIZE_MIN), torch.tensor(SPECIAL) * 1e-30])
     want = float_round(x, name, backend="reference")
     assert torch.equal(_bits(float_round(x, name)), _bits(want))

@@ -122,7 +122,7 @@ def _edge_bits():
 def test_specialised_format_kernels_bit_exact(monkeypatch):
     from qsync_lab.kernels import cpu
 
-    monkeypatch.setattr(cpu, "SPECIALIZE_MIN", 0)
+    monkeypatch.setattr(cpu.floats, "SPECIALIZE_MIN", 0)
     x = _edge_bits()
     for name, dtype in TORCH.items():
         assert torch.equal(_bits(float_encode(x, name)), _bits(x.to(dtype)))
