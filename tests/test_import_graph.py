@@ -106,6 +106,20 @@ def test_the_layers_point_one_way():
     assert "runtime" not in edges["profile"]
 
 
+def test_the_simulator_never_reaches_the_ddp_hook():
+    """The simulator costs compression from the method registry, never loading the hook
+    (nor, through it, torch.distributed and the kernels), directly or through another module."""
+    edges = _module_graph()
+    reached, todo = set(), [m for m in list(edges) if m.startswith("qsync_lab.simulate")]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edges.get(module, ()))
+    assert "qsync_lab.compress.methods" in reached  # the graph sees the registry
+    assert "qsync_lab.compress.hook" not in reached
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 

@@ -14,16 +14,21 @@ cgx            per group of values, local (max-min)   stochastic all-gather
 qsgd           L2 norm per bucket, local              yes        all-gather
 =============  =====================================  =========  =================
 
-Biased methods take ``error_feedback=True``. Example::
+Biased methods take ``error_feedback=True``. Each method is one :class:`Method` in
+:data:`METHODS` (:mod:`qsync_lab.compress.methods`), which specs, the hook and the simulator
+all read. Example::
 
-    >>> from qsync_lab.compress import CompressionSpec
+    >>> from qsync_lab.compress import METHODS, CompressionSpec
     >>> str(CompressionSpec.parse("cgx:4")), CompressionSpec.parse("cgx:4").group_size
     ('cgx:4', 1024)
+    >>> list(METHODS)
+    ['fp16', 'bf16', 'global_qsgd', 'aps', 'cgx', 'qsgd']
 """
 
-from qsync_lab.compress.spec import METHODS, CompressionSettings, CompressionSpec
+from qsync_lab.compress.methods import METHODS, Method
+from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
 
-__all__ = ["METHODS", "CompressionSettings", "CompressionSpec", "CompressionState",
+__all__ = ["METHODS", "CompressionSettings", "CompressionSpec", "CompressionState", "Method",
            "NonFiniteGradient", "register_compression"]
 
 

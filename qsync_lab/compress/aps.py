@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, compression_error,
+from qsync_lab.compress.codec import (Encoded, check_finite, compression_error,
                                      cuda_kernels, float_target, into, nonfinite, on_device,
                                      poison, take)
 from qsync_lab.kernels import (APS_ZERO_EXPONENT, absmax, aps_shift, float_decode_sum,
@@ -25,7 +25,7 @@ from qsync_lab.kernels import (APS_ZERO_EXPONENT, absmax, aps_shift, float_decod
 from qsync_lab.kernels.floats import _code_array, _decode_table
 from qsync_lab.kernels.plumbing import _arr, _rows_in_place
 
-__all__ = ["encode", "reduce", "wire"]
+__all__ = ["encode", "reduce"]
 
 _FORMATS = {"fp8_e5m2": (5, 2), "fp8_e4m3": (4, 3)}
 _DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
@@ -157,8 +157,3 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
         float_decode_sum(codes[:, start:start + numel], scale=scale / comm.world,
                          out=flat[start:start + numel])
     return total if total is out else into(out, total)
-
-
-def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allgather", float(numel), 4.0 * len(segments), 4 + 4 + 1, 1 + 4 + 4)
-

@@ -14,11 +14,11 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, check_finite, float_target, into, nonfinite,
-                                     on_device, packed_parts, padded, take, unpack)
+from qsync_lab.compress.codec import (Encoded, check_finite, float_target, into, nonfinite,
+                                     on_device, packed_parts, take, unpack)
 from qsync_lab.kernels import cgx_decode_mean, cgx_encode
 
-__all__ = ["encode", "reduce", "wire"]
+__all__ = ["encode", "reduce"]
 
 
 def encode(x, segments, spec, comm, seed, error: bool = False, workspace=None) -> Encoded:
@@ -59,9 +59,3 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
                      for meta, payload in gathered], out=total,
                     backend="cuda" if device else "auto")
     return total if total is out else into(out, total)
-
-
-def wire(numel: int, segments, spec, world: int) -> Wire:
-    groups = -(-numel // spec.group_size)
-    payload = padded(-(-numel // 8) * spec.bits + 8 * groups)
-    return Wire("allgather", float(payload), 0.0, 4 + 4 + spec.bits / 8, spec.bits / 8 + 4 + 4)

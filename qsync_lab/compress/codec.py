@@ -2,16 +2,17 @@
 
 A method (one module each: :mod:`~qsync_lab.compress.fp16`, :mod:`~qsync_lab.compress.global_qsgd`,
 :mod:`~qsync_lab.compress.aps`, :mod:`~qsync_lab.compress.cgx`, :mod:`~qsync_lab.compress.qsgd`)
-has three functions over one flat float32 gradient ``x`` holding one or more parameters
+has two functions over one flat float32 gradient ``x`` holding one or more parameters
 (``segments``: their ``(start, numel)``):
 
 * ``encode(x, segments, spec, comm, seed, error=False, workspace=None) -> Encoded``: this
   rank's payload (a scale all-reduce first where the method has one);
 * ``reduce(encoded, spec, comm, out=None, workspace=None) -> Tensor``: the collective and
   the decode: the mean over the ranks as the method computes it, written into ``out`` (the
-  bucket's gradient, any float dtype) where given, else a new float32 tensor;
-* ``wire(numel, segments, spec, world) -> Wire``: what goes over the wire, for the
-  simulator.
+  bucket's gradient, any float dtype) where given, else a new float32 tensor.
+
+Their traffic on the wire, which the simulator costs, is the registry's
+(:attr:`Method.wire <qsync_lab.compress.methods.Method>`, light to import).
 
 Both take their payload, gather and decode buffers from a :class:`Workspace` (the hook keeps
 one; without it they allocate). ``Encoded.error`` is this rank's compression error, ``x``
@@ -36,12 +37,12 @@ from typing import Any
 
 import torch
 
+from qsync_lab.compress.methods import padded
 from qsync_lab.errors import QSyncError
 
-__all__ = ["DEVICE_PATH_ON_CPU", "NONFINITE", "Encoded", "NonFiniteGradient", "Wire",
-           "Workspace", "check_finite", "compression_error", "cuda_kernels", "float_target",
-           "into", "nonfinite", "on_device", "packed_parts", "padded", "poison", "take",
-           "unpack"]
+__all__ = ["DEVICE_PATH_ON_CPU", "NONFINITE", "Encoded", "NonFiniteGradient", "Workspace",
+           "check_finite", "compression_error", "cuda_kernels", "float_target", "into",
+           "nonfinite", "on_device", "packed_parts", "poison", "take", "unpack"]
 
 #: the value a rank puts in its scale when its gradient is not finite
 NONFINITE = float("inf")
@@ -69,26 +70,6 @@ class Encoded:
     payload: torch.Tensor
     context: Any
     error: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Wire:
-    """One method's traffic for one bucket group, per rank.
-
-    Attributes:
-        collective: ``"allreduce"`` (codes summed in the collective) or ``"allgather"``.
-        payload_bytes: bytes of the tensor the collective carries.
-        scale_sync_bytes: bytes of the all-reduce(MAX) before it (0: none).
-        encode_bytes: bytes the encode reads and writes per element of the gradient;
-        decode_bytes: the same for decoding one rank's payload (for a roofline of their
-            times where nothing was measured). An all-gather decodes one payload per rank.
-    """
-
-    collective: str
-    payload_bytes: float
-    scale_sync_bytes: float
-    encode_bytes: float
-    decode_bytes: float
 
 
 class Workspace:
@@ -242,12 +223,6 @@ def packed_parts(workspace: Workspace | None, device, *layout: tuple[torch.dtype
     size = sum(numel * torch.empty(0, dtype=dtype).element_size() for dtype, numel in layout)
     data = take(workspace, "payload", padded(size), torch.uint8, device)
     return data, unpack(data, *layout)
-
-
-def padded(nbytes: int) -> int:
-    """A packed payload's size: ``nbytes`` rounded up to a multiple of 8, so that the ranks'
-    payloads, gathered side by side, keep every part aligned."""
-    return -(-nbytes // 8) * 8
 
 
 def unpack(data: torch.Tensor, *layout: tuple[torch.dtype, int]) -> list[torch.Tensor]:

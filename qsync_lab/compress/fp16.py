@@ -22,12 +22,12 @@ Example::
 
 import torch
 
-from qsync_lab.compress.codec import (Encoded, Wire, compression_error, into, nonfinite,
+from qsync_lab.compress.codec import (Encoded, compression_error, into, nonfinite,
                                      on_device, take)
 from qsync_lab.kernels import absmax
 from qsync_lab.kernels.plumbing import exact_div_
 
-__all__ = ["encode", "reduce", "wire"]
+__all__ = ["encode", "reduce"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -45,7 +45,3 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
     nonfinite(absmax(total, backend="cuda" if device else "auto"),
               f"a {spec.method} bucket (or its sum overflowed {spec.method})", workspace, device)
     return into(out, total) if out is not None else total.float()
-
-
-def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allreduce", 2.0 * numel, 0.0, 4 + 2, 2 + 4)

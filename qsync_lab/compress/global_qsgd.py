@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, compression_error,
+from qsync_lab.compress.codec import (NONFINITE, Encoded, check_finite, compression_error,
                                      cuda_kernels, into, nonfinite, on_device, poison, take)
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, global_qsgd_encode,
@@ -27,7 +27,7 @@ from qsync_lab.kernels import (absmax, dequantize_int8, global_qsgd_decode, glob
 from qsync_lab.kernels.plumbing import _arr, _f32, exact_div_
 from qsync_lab.kernels.rng import rng_key
 
-__all__ = ["encode", "levels", "pair16", "reduce", "unpair16", "wire"]
+__all__ = ["encode", "levels", "pair16", "reduce", "unpair16"]
 
 
 def levels(spec, world: int) -> int:
@@ -206,12 +206,3 @@ def _reduce_on_device(encoded: Encoded, spec, comm, out, workspace) -> torch.Ten
     if spec.bits == 16:
         total = unpair16(total, count * comm.world, numel)
     return into(out, total.float().mul_(scale[0]).view(out.shape if out is not None else -1))
-
-
-def wire(numel: int, segments, spec, world: int) -> Wire:
-    if spec.dithering == "exponential":
-        return Wire("allgather", float(numel), 4.0, 4 + 4 + 1, 1 + 4 + 4)
-    code_bytes = spec.bits // 8
-    payload = 4 * -(-numel // 2) if spec.bits == 16 else numel * code_bytes  # pair16's words
-    return Wire("allreduce", float(payload), 4.0, 4 + 4 + code_bytes, code_bytes + 4)
-

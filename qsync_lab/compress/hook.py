@@ -53,61 +53,22 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from qsync_lab.compress import aps, cgx, fp16, global_qsgd, qsgd
 from qsync_lab.compress.codec import NonFiniteGradient, Workspace, cuda_kernels, on_device
 from qsync_lab.compress.comm import Comm
-from qsync_lab.compress.spec import CompressionSettings, CompressionSpec
+from qsync_lab.compress.methods import METHODS, method_module
+from qsync_lab.compress.spec import CompressionSettings, Group, bucket_groups
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import l2norm
 from qsync_lab.kernels.plumbing import _arr, _f32, exact_div_
 
-__all__ = ["CompressionState", "StandaloneBucket", "compression_hook", "method_module",
-           "register_compression"]
+__all__ = ["CompressionState", "StandaloneBucket", "compression_hook", "register_compression"]
 
-_MODULES = {"fp16": fp16, "bf16": fp16, "global_qsgd": global_qsgd, "aps": aps, "cgx": cgx,
-            "qsgd": qsgd}
 _FP32 = "fp32"
-
-
-def method_module(spec: CompressionSpec):
-    """The module that implements ``spec``'s method (``encode``, ``reduce``, ``wire``)."""
-    return _MODULES[spec.method]
-
-
-@dataclass(frozen=True)
-class Group:
-    """Parameters of one bucket that share a spec: their FQNs and ``(start, numel)`` slices
-    of the bucket, in bucket order."""
-
-    spec: CompressionSpec | None
-    names: tuple[str, ...]
-    slices: tuple[tuple[int, int], ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(n for _, n in self.slices)
-
-
-def bucket_groups(names: list[str], params: list[torch.Tensor],
-                  settings: CompressionSettings) -> tuple[Group, ...]:
-    """A bucket's parameters grouped by spec, uncompressed first, then by spec key."""
-    by_spec: dict[str, list] = defaultdict(list)
-    specs: dict[str, CompressionSpec | None] = {}
-    start = 0
-    for name, param in zip(names, params):
-        spec = settings.spec_for(name, numel=param.numel(), ndim=param.dim())
-        key = "" if spec is None else spec.key
-        specs[key] = spec
-        by_spec[key].append((name, (start, param.numel())))
-        start += param.numel()
-    return tuple(Group(specs[key], tuple(n for n, _ in members), tuple(s for _, s in members))
-                 for key, members in sorted(by_spec.items()))
 
 
 class _Stats:
@@ -320,7 +281,7 @@ class CompressionState:
         if bad is not None and measure:  # a marked bucket's error is not counted
             error_sq = torch.where(bad, 0.0, error_sq)
             norm_sq = torch.where(bad, 0.0, norm_sq)
-        wire = module.wire(x.numel(), segments, spec, comm.world)
+        wire = METHODS[spec.method].wire(x.numel(), segments, spec, comm.world)
         self._count(spec.method, x.numel(), 8 * (wire.payload_bytes + wire.scale_sync_bytes),
                     encode_s, comm_s, decode_s, error_sq, norm_sq)
         return x

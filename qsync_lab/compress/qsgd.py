@@ -12,14 +12,14 @@ import math
 
 import torch
 
-from qsync_lab.compress.codec import (NONFINITE, Encoded, Wire, check_finite, compression_error,
+from qsync_lab.compress.codec import (NONFINITE, Encoded, check_finite, compression_error,
                                      cuda_kernels, float_target, into, nonfinite, on_device,
-                                     packed_parts, padded, poison, take)
+                                     packed_parts, poison, take)
 from qsync_lab.kernels import l2norm, qsgd_decode, qsgd_decode_sum, qsgd_encode
 from qsync_lab.kernels.plumbing import _arr, _f32, _rows_in_place
 from qsync_lab.kernels.rng import rng_key
 
-__all__ = ["encode", "levels", "reduce", "wire"]
+__all__ = ["encode", "levels", "reduce"]
 
 
 def levels(spec) -> int:
@@ -97,7 +97,3 @@ def reduce(encoded: Encoded, spec, comm, out=None, workspace=None) -> torch.Tens
     qsgd_decode_sum(table[:, 4:4 + numel].view(torch.int8), norms.view(-1).tolist(),
                     levels(spec), divisor=comm.world, out=total.view(-1))
     return total if total is out else into(out, total)
-
-
-def wire(numel: int, segments, spec, world: int) -> Wire:
-    return Wire("allgather", float(padded(numel + 4)), 0.0, 4 + 4 + 1, 1 + 4 + 4)

@@ -1,12 +1,14 @@
 """What a gradient compressor does, and which parameters it applies to.
 
-A :class:`CompressionSpec` names a method and its settings; ``"global_qsgd:8"``,
-``"cgx:4"``, ``"aps:fp8_e4m3"`` or ``"fp16"`` are its short forms. :class:`CompressionSettings`
-maps parameter FQNs to specs the way torchao's ``FqnToConfig`` maps modules to configs:
-keys are an exact FQN, a regular expression prefixed ``re:`` or ``_default``, and a value of
-None leaves a parameter uncompressed (plain fp32 allreduce). Tensors with fewer than
-``min_numel`` elements, and 1-D tensors (biases, norm weights) unless ``compress_1d``, are
-never compressed: their error would cost more than their bytes save.
+A :class:`CompressionSpec` names a method (:data:`~qsync_lab.compress.methods.METHODS`) and its
+settings; ``"global_qsgd:8"``, ``"cgx:4"``, ``"aps:fp8_e4m3"`` or ``"fp16"`` are its short
+forms. :class:`CompressionSettings` maps parameter FQNs to specs the way torchao's
+``FqnToConfig`` maps modules to configs: keys are an exact FQN, a regular expression prefixed
+``re:`` or ``_default``, and a value of None leaves a parameter uncompressed (plain fp32
+allreduce). Tensors with fewer than ``min_numel`` elements, and 1-D tensors (biases, norm
+weights) unless ``compress_1d``, are never compressed: their error would cost more than their
+bytes save. :func:`bucket_groups` splits a DDP bucket by spec, for the hook and the simulator
+alike.
 
 Example::
 
@@ -20,26 +22,17 @@ Example::
 """
 
 import re
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from qsync_lab.compress.methods import MAX_BITS, METHODS
 from qsync_lab.errors import QSyncError
 from qsync_lab.tomlfile import show
 
-__all__ = ["METHODS", "CompressionSettings", "CompressionSpec"]
+__all__ = ["CompressionSettings", "CompressionSpec", "Group", "bucket_groups"]
 
-#: method -> what it is (the docs of each module say more)
-METHODS: Mapping[str, str] = {
-    "fp16": "fp16 allreduce, divided by the world size first (PyTorch's fp16_compress_hook)",
-    "bf16": "bf16 allreduce, divided by the world size first",
-    "global_qsgd": "one shared scale (allreduce MAX), stochastic integer codes summed in the "
-                   "allreduce (Global-QSGD, standard or exponential dithering)",
-    "aps": "a power-of-two scale per parameter (allreduce MAX of exponents), fp8 codes "
-           "(APS)",
-    "cgx": "max-min quantization of groups to 1-8 bits, bit-packed, all-gathered (CGX)",
-    "qsgd": "L2-norm-scaled stochastic levels per rank, all-gathered (QSGD)",
-}
 _DITHERING = ("standard", "exponential")
 _ROUNDING = ("stochastic", "nearest")
 _APS_FORMATS = ("fp8_e5m2", "fp8_e4m3")
@@ -54,7 +47,7 @@ class CompressionSpec:
     """One compressor's settings.
 
     Attributes:
-        method: one of :data:`METHODS`.
+        method: one of :data:`~qsync_lab.compress.methods.METHODS`.
         bits: ``global_qsgd``: bits of the integer codes on the wire (8, 16 or 32; each
             rank gets ``(2**(bits-1) - 1) // world`` levels, so the sum cannot overflow);
             ``cgx``: bits per value (1..8); ``qsgd``: ``2**(bits-1) - 1`` levels (2..8).
@@ -82,7 +75,7 @@ class CompressionSpec:
             raise QSyncError(f"unknown compression method {show(self.method)}; choose one of: "
                              f"{', '.join(METHODS)}")
         for name, ok, expected in (
-                ("bits", self._bits_ok(), self._bits_text()),
+                ("bits", self._bits_ok(), METHODS[self.method].bits_text),
                 ("dithering", self.dithering in _DITHERING, " or ".join(_DITHERING)),
                 ("format", self.format in _APS_FORMATS, " or ".join(_APS_FORMATS)),
                 ("group_size", _positive_int(self.group_size, MAX_GROUP_SIZE),
@@ -97,21 +90,13 @@ class CompressionSpec:
                                  f"{show(getattr(self, name))}")
 
     def _bits_ok(self) -> bool:
-        if not _positive_int(self.bits, 32):
-            return False
-        return {"global_qsgd": self.bits in (8, 16, 32), "cgx": 1 <= self.bits <= 8,
-                "qsgd": 2 <= self.bits <= 8}.get(self.method, True)
-
-    def _bits_text(self) -> str:
-        return {"global_qsgd": "8, 16 or 32", "cgx": "1..8", "qsgd": "2..8"}.get(
-            self.method, "an integer in 1..32")
+        allowed = METHODS[self.method].bits
+        return _positive_int(self.bits, MAX_BITS) and (allowed is None or self.bits in allowed)
 
     @property
     def unbiased(self) -> bool:
         """Whether the compressed mean equals the true mean in expectation."""
-        if self.method in ("global_qsgd", "qsgd"):
-            return True
-        return self.method == "cgx" and self.rounding == "stochastic"
+        return METHODS[self.method].unbiased(self)
 
     @property
     def key(self) -> str:
@@ -136,8 +121,8 @@ class CompressionSpec:
             >>> str(CompressionSpec("cgx", bits=4, error_feedback=True))
             'cgx:4,error_feedback=true'
         """
-        short = {"global_qsgd": f":{self.bits}", "cgx": f":{self.bits}",
-                 "qsgd": f":{self.bits}", "aps": f":{self.format}"}.get(self.method, "")
+        field = METHODS[self.method].short
+        short = f":{getattr(self, field)}" if field else ""
         extra = {k: v for k, v in self.to_dict().items() if k not in ("method", "bits", "format")}
         return self.method + short + "".join(
             f",{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in extra.items())
@@ -168,14 +153,12 @@ class CompressionSpec:
         head, *settings = spec.strip().lower().split(",")
         method, _, arg = head.partition(":")
         base = cls(method)
-        if arg and method == "aps":
-            base = replace(base, format=arg)
-        elif arg and method in ("global_qsgd", "cgx", "qsgd") and _is_whole(arg):
-            base = replace(base, bits=int(arg))
-        elif arg:
-            raise QSyncError(f"cannot read compression spec {show(spec)}; write method[:bits] "
-                             "(global_qsgd:8, cgx:4, qsgd:4), aps[:fp8_e4m3], fp16 or bf16, "
-                             "then any ,field=value settings")
+        if arg:
+            field = METHODS[method].short
+            if field is None or (_FIELD_TYPES[field] is int and not _is_whole(arg)):
+                raise QSyncError(f"cannot read compression spec {show(spec)}; write "
+                                 f"{_short_forms()}, then any ,field=value settings")
+            base = replace(base, **{field: int(arg) if _FIELD_TYPES[field] is int else arg})
         return replace(base, **dict(_setting(item, spec) for item in settings))
 
 
@@ -241,19 +224,78 @@ class CompressionSettings:
                          for pattern, spec in self.rules)
 
 
+@dataclass(frozen=True)
+class Group:
+    """Parameters of one bucket that share a spec: their FQNs and ``(start, numel)`` slices
+    of the bucket, in bucket order."""
+
+    spec: CompressionSpec | None
+    names: tuple[str, ...]
+    slices: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.slices)
+
+
+def bucket_groups(names: list[str], params: list, settings: CompressionSettings
+                  ) -> tuple[Group, ...]:
+    """A bucket's parameters (anything with ``numel()`` and ``dim()``, as tensors have)
+    grouped by spec, uncompressed first, then by spec key.
+
+    Example::
+
+        >>> import torch
+        >>> settings = CompressionSettings.parse({"_default": "cgx:4", "b": "fp16"})
+        >>> [(str(g.spec), g.slices) for g in bucket_groups(
+        ...     ["a", "b", "c"], [torch.zeros(4096), torch.zeros(64, 64), torch.zeros(64, 64)],
+        ...     settings)]
+        [('None', ((0, 4096),)), ('cgx:4', ((8192, 4096),)), ('fp16', ((4096, 4096),))]
+    """
+    by_spec: dict[str, list] = defaultdict(list)
+    specs: dict[str, CompressionSpec | None] = {}
+    start = 0
+    for name, param in zip(names, params):
+        spec = settings.spec_for(name, numel=param.numel(), ndim=param.dim())
+        key = "" if spec is None else spec.key
+        specs[key] = spec
+        by_spec[key].append((name, (start, param.numel())))
+        start += param.numel()
+    return tuple(Group(specs[key], tuple(n for n, _ in members), tuple(s for _, s in members))
+                 for key, members in sorted(by_spec.items()))
+
+
+#: a spec's settings (all but the method) -> their types
+_FIELD_TYPES = {f.name: f.type for f in fields(CompressionSpec)[1:]}
+
+
+def _short_forms() -> str:
+    """The short forms, as error messages list them.
+
+    Example::
+
+        >>> _short_forms()
+        'method[:bits] (global_qsgd:8, cgx:4, qsgd:4), aps[:fp8_e4m3], fp16 or bf16'
+    """
+    by_bits = ", ".join(f"{m.name}:{m.example}" for m in METHODS.values() if m.short == "bits")
+    others = [f"{m.name}[:{m.example}]" for m in METHODS.values()
+              if m.short not in (None, "bits")]
+    bare = " or ".join(m.name for m in METHODS.values() if m.short is None)
+    return ", ".join([f"method[:bits] ({by_bits})", *others, bare])
+
+
 def _setting(item: str, spec: str) -> tuple[str, Any]:
     """One ``field=value`` of a spec's text, the value typed as the field is."""
     name, eq, text = item.strip().partition("=")
-    kinds = {f.name: f.type for f in fields(CompressionSpec)[1:]}
-    if not eq or name not in kinds:
+    if not eq or name not in _FIELD_TYPES:
         raise QSyncError(f"cannot read {show(item)} in compression spec {show(spec)}; write "
-                         f"field=value with a field among {', '.join(kinds)}")
-    kind = kinds[name]
-    if kind in (bool, "bool"):
+                         f"field=value with a field among {', '.join(_FIELD_TYPES)}")
+    kind = _FIELD_TYPES[name]
+    if kind is bool:
         if text not in ("true", "false"):
             raise QSyncError(f"compression spec {show(spec)}: {name} must be true or false")
         return name, text == "true"
-    if kind in (int, "int"):
+    if kind is int:
         if not _is_whole(text):
             raise QSyncError(f"compression spec {show(spec)}: {name} must be a whole number")
         return name, int(text)

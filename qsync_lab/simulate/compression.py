@@ -1,11 +1,12 @@
 """What each bucket's gradient communication costs, compressed as the settings say.
 
 A bucket's parameters are grouped by spec as the hook groups them
-(:func:`qsync_lab.compress.hook.bucket_groups`) and the groups run one after the other on
+(:func:`qsync_lab.compress.spec.bucket_groups`) and the groups run one after the other on
 the sender thread, so a bucket's communication lasts the sum of:
 
 * uncompressed parameters: a ring allreduce of their fp32 bytes;
-* each compressed group (the method's ``wire``): the scale all-reduce (MAX) if the method
+* each compressed group (its method's :attr:`~qsync_lab.compress.methods.Method.wire`, from
+  the registry, so the simulator never loads the hook): the scale all-reduce (MAX) if the method
   has one, the encode, the collective of the payload (a ring allreduce of the codes, or a
   ring all-gather of every rank's payload) and the decode of each payload the rank receives
   (one for an allreduce, one per rank for an all-gather: the profile's decode line, measured
@@ -42,7 +43,8 @@ Example::
 from dataclasses import dataclass
 
 from qsync_lab.cluster import Cluster
-from qsync_lab.compress.spec import CompressionSettings
+from qsync_lab.compress.methods import METHODS
+from qsync_lab.compress.spec import CompressionSettings, bucket_groups
 from qsync_lab.costs import Cost, CostModel, ring_wire_bytes
 from qsync_lab.simulate.prepare import PreparedGraph
 
@@ -50,8 +52,8 @@ __all__ = ["BucketComm", "bucket_comm"]
 
 _FP32_BYTES = 4
 #: error feedback's bytes per element: the residual added (read 8, write 4), the error
-#: written (4: CGX writes it in its encode's pass; the other methods decode their payload and
-#: subtract, 12 more) and copied into the residual (read 4, write 4)
+#: written (4 where the method's encode writes it in its own pass; where it decodes its payload
+#: and subtracts, 12 more) and copied into the residual (read 4, write 4)
 _FEEDBACK_BYTES = 24.0
 _DECODED_ERROR_BYTES = 12.0
 
@@ -74,8 +76,6 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
         settings: compression settings (a spec, a mapping, or None: plain fp32 allreduce).
         links: the ring's links (default: :meth:`~qsync_lab.cluster.Cluster.ring_links`).
     """
-    from qsync_lab.compress.hook import bucket_groups, method_module
-
     world = cluster.world_size
     if world == 1:
         return []
@@ -102,12 +102,13 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
                 labels.append("fp32")
                 continue
             segments = [(0, n) for _, n in group.slices]
-            wire = method_module(group.spec).wire(group.numel, segments, group.spec, world)
+            method = METHODS[group.spec.method]
+            wire = method.wire(group.numel, segments, group.spec, world)
             spec, label = str(group.spec), group.spec.cost_label
             collective = (costs.allreduce_time_us if wire.collective == "allreduce"
                           else costs.allgather_time_us)(wire.payload_bytes, world, links)
-            feedback_bytes = (_FEEDBACK_BYTES + (group.spec.method != "cgx") * _DECODED_ERROR_BYTES
-                              if group.spec.error_feedback else 0.0)
+            feedback_bytes = (_FEEDBACK_BYTES + (not method.error_from_encode)
+                              * _DECODED_ERROR_BYTES if group.spec.error_feedback else 0.0)
             encode = costs.compression_time_us(label, "encode", group.numel,
                                                wire.encode_bytes + feedback_bytes, device)
             decode = costs.compression_time_us(label, "decode", group.numel, wire.decode_bytes,
@@ -129,7 +130,7 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
 
 
 class _Shape:
-    """What :func:`~qsync_lab.compress.hook.bucket_groups` reads of a parameter."""
+    """What :func:`~qsync_lab.compress.spec.bucket_groups` reads of a parameter."""
 
     def __init__(self, numel: int, ndim: int) -> None:
         self._numel, self._ndim = numel, ndim

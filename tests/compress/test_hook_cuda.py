@@ -146,7 +146,7 @@ def _inputs(device, nan_rank, rank):
 def _every_method_once(comm, inputs, workspace):
     """Each input's encode (with its error) and reduce, into its bucket through the workspace
     and again without either: the means."""
-    from qsync_lab.compress.hook import method_module
+    from qsync_lab.compress.methods import method_module
     from qsync_lab.compress.spec import CompressionSpec
 
     out = []

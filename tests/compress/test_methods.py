@@ -9,7 +9,7 @@ import torch
 
 from qsync_lab.compress.codec import Workspace
 from qsync_lab.compress.comm import Comm
-from qsync_lab.compress.hook import method_module
+from qsync_lab.compress.methods import METHODS, method_module
 from qsync_lab.compress.spec import CompressionSpec
 from tests.compress.ranks import run_ranks
 
@@ -165,9 +165,9 @@ def test_zero_gradients_give_zero_and_a_nan_on_one_rank_stops_every_rank():
 def test_wire_bytes_are_what_the_methods_send():
     """Payload bytes per element: ~1 for the 8-bit methods, 2 for fp16, b/8 + meta for cgx;
     packed payloads are padded to a multiple of 8 bytes (qsgd: its 4-byte norm + 4)."""
-    wire = {text: method_module(CompressionSpec.parse(text)).wire(
-        N, SEGMENTS, CompressionSpec.parse(text), 2).payload_bytes / N
-        for text in ("global_qsgd:8", "aps", "cgx:4", "qsgd:8", "fp16")}
+    texts = ("global_qsgd:8", "aps", "cgx:4", "qsgd:8", "fp16")
+    wire = {text: METHODS[spec.method].wire(N, SEGMENTS, spec, 2).payload_bytes / N
+            for text, spec in zip(texts, map(CompressionSpec.parse, texts))}
     assert wire["global_qsgd:8"] == 1 and wire["aps"] == 1 and wire["fp16"] == 2
     assert wire["cgx:4"] == pytest.approx(0.5 + 8 / 1024)
     assert N % 8 == 0 and wire["qsgd:8"] == pytest.approx(1 + 8 / N)
@@ -178,9 +178,10 @@ ALL_METHODS = ["fp16", "bf16", "global_qsgd:8", "global_qsgd:16",
                {"method": "cgx", "bits": 3, "group_size": 100}, "qsgd:8"]
 
 
-def _errors_against_one_rank_means(rank, world, specs):
+def _one_rank_encodes(rank, world, specs):
     """Per spec: whether the compression error equals ``x`` minus the 1-rank mean (this rank's
-    gradient as compressed) bit for bit, and its norm relative to ``x``'s."""
+    gradient as compressed) bit for bit, its norm relative to ``x``'s, and the bytes of the
+    payload against those the registry's ``wire`` names."""
     comm, out = Comm(None), []
     x = gradient(rank)
     segments = [(0, 1024), (1024, N - 1024)]
@@ -189,17 +190,31 @@ def _errors_against_one_rank_means(rank, world, specs):
         encoded = module.encode(x.clone(), segments, spec, comm, seed=1, error=True,
                                 workspace=Workspace())
         error = encoded.error.clone()
+        payload_bytes = encoded.payload.numel() * encoded.payload.element_size()
         mean = module.reduce(encoded, spec, comm, out=torch.empty(N))
-        out.append((spec.key, torch.equal(error, x - mean), float(error.norm() / x.norm())))
+        wire = METHODS[spec.method].wire(N, segments, spec, world)
+        out.append((spec.key, torch.equal(error, x - mean), float(error.norm() / x.norm()),
+                    payload_bytes, wire.payload_bytes))
     return out
 
 
-def test_the_compression_error_is_the_gradient_minus_its_compressed_value():
+@pytest.fixture(scope="module")
+def one_rank_rows():
+    (rows,) = run_ranks(_one_rank_encodes, 1, ALL_METHODS)
+    return rows
+
+
+def test_the_compression_error_is_the_gradient_minus_its_compressed_value(one_rank_rows):
     """What error feedback keeps and the telemetry measures: every method's ``error`` is
     ``x - Q(x)``, with ``Q(x)`` what the method's reduce gives on one rank."""
-    (rows,) = run_ranks(_errors_against_one_rank_means, 1, ALL_METHODS)
-    for key, exact, relative in rows:
+    for key, exact, relative, *_ in one_rank_rows:
         assert exact and 0 < relative < 0.5, (key, relative)
+
+
+def test_the_registry_wire_carries_the_payload_each_method_encodes(one_rank_rows):
+    """The simulator's bytes (the registry's ``wire``) are the bytes the module sends."""
+    for key, *_, payload_bytes, wire_bytes in one_rank_rows:
+        assert payload_bytes == wire_bytes, key
 
 
 def _with_and_without_workspace(rank, world, specs):

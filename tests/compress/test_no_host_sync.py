@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qsync_lab.compress import codec
 from qsync_lab.compress.codec import NonFiniteGradient, Workspace
 from qsync_lab.compress.comm import Comm
-from qsync_lab.compress.hook import (CompressionState, StandaloneBucket, compression_hook,
-                                     method_module)
+from qsync_lab.compress.hook import CompressionState, StandaloneBucket, compression_hook
+from qsync_lab.compress.methods import method_module
 from qsync_lab.compress.spec import CompressionSpec
 from tests.compress.ranks import run_ranks
 

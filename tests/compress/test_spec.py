@@ -2,7 +2,7 @@
 
 import pytest
 
-from qsync_lab.compress import CompressionSettings, CompressionSpec
+from qsync_lab.compress import METHODS, CompressionSettings, CompressionSpec
 from qsync_lab.errors import QSyncError
 
 
@@ -20,6 +20,14 @@ def test_text_forms_parse_and_print_back(text, fields):
     assert all(getattr(spec, k) == v for k, v in fields.items())
     assert CompressionSpec.parse(str(spec)) == spec
     assert CompressionSpec.parse(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("method", METHODS.values(), ids=list(METHODS))
+def test_every_registered_method_reads_and_prints_its_short_form(method):
+    text = f"{method.name}:{method.example}" if method.short else method.name
+    spec = CompressionSpec.parse(text)
+    assert str(spec) == text and spec.method == method.name
+    assert method.module.startswith("qsync_lab.compress.")
 
 
 def test_cost_label_drops_what_does_not_change_the_time_per_element():
