@@ -4,8 +4,10 @@ A study traces the model (with its loss) into an :class:`~qsync_lab.graph.OpGrap
 its ops with the sensitivity indicator, allocates plans, simulates them and runs them on
 local DDP ranks, caching the graph, the prepared graph, the cost model, the indicator and
 the qsync :class:`~qsync_lab.allocate.Allocator` so that a notebook can re-plan and
-re-simulate cheaply (``benchmarks/replan.py`` times a slider's re-plans). It wires the
-same functions the command line uses; nothing here decides anything they do not.
+re-simulate cheaply (``benchmarks/replan.py`` times a slider's re-plans). The same study
+on another cluster (:meth:`Study.on_cluster`) shares all of that but the allocator, and the
+study keeps it. The command line and the widgets go through it; nothing here decides
+anything the functions it wires do not.
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
     SimResult(2 ranks: 1 x V100-SXM2-32GB, 1 x T4; iteration ... ms, ...)
 """
 
+import copy
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -98,6 +101,7 @@ class Study:
         self.run_threads: int | None = None  # per rank: what the profile measured with
         self._indicators: dict[tuple, pd.DataFrame] = {}
         self._kept_allocator = None
+        self._variants: dict[tuple, Study] = {}  # this study on other clusters
 
     def __repr__(self) -> str:
         return (f"Study({self.name!r} on {self.cluster.name!r}: {self.cluster.world_size} "
@@ -172,17 +176,64 @@ class Study:
                                         optimizer=self.optimizer, compression=compression)
         return plan.for_model(self.zoo_name, self.model_kwargs) if self.zoo_name else plan
 
-    def simulate(self, plan: Plan | None = None):
-        """The simulated iteration of ``plan`` (default: all fp32) on the study's cluster
-        (a plan just allocated is simulated from the allocator's memo)."""
+    def simulate(self, plan: "Plan | Mapping[str, Mapping[str, str]] | None" = None, *,
+                 optimizer: str | None = None, compression=None):
+        """The simulated iteration of ``plan`` on the study's cluster
+        (:func:`~qsync_lab.simulate.simulate`).
+
+        Args:
+            plan: a :class:`~qsync_lab.plan.Plan` (one just allocated is simulated from the
+                allocator's memo), device kind -> {op FQN -> precision} (the ops left out
+                run fp32), or None: all fp32.
+            optimizer: overrides a plan's (default: a Plan's own, else the study's).
+            compression: a gradient compression spec overriding a plan's (default: a
+                Plan's own, else none).
+
+        Example::
+
+            >>> study = Study("digits_mlp", cluster="local-hybrid", progress=False)
+            >>> study.simulate({"T4": {"fc1": "fp16"}}, optimizer="adam").world_size
+            2
+        """
         from qsync_lab.simulate import simulate
 
-        if plan is None:
-            return simulate(self.prepared, {}, self.cluster, self.costs,
-                            optimizer=self.optimizer)
         kept = self._kept()
-        return (kept.simulate(plan) if kept is not None
-                else simulate(self.prepared, plan, self.cluster, self.costs))
+        if isinstance(plan, Plan):
+            if kept is not None and optimizer is None and compression is None:
+                return kept.simulate(plan)
+        else:
+            plan, optimizer = plan or {}, optimizer or self.optimizer
+        return simulate(self.prepared, plan, self.cluster, self.costs, optimizer=optimizer,
+                        compression=compression)
+
+    def on_cluster(self, cluster: "str | os.PathLike[str] | Cluster") -> "Study":
+        """This study on ``cluster`` (a name, a TOML path or a
+        :class:`~qsync_lab.cluster.Cluster`): itself for its own cluster, else a study
+        sharing its model, traced graph, costs and indicators, made once per cluster
+        (definition and ranks) and kept, so that re-plans on it reuse its allocator. A
+        study made before :meth:`profile` keeps the costs it was made with.
+
+        Example::
+
+            >>> study = Study("digits_mlp", cluster="local-hybrid", progress=False)
+            >>> small = study.on_cluster("v100-t4-small")
+            >>> small.cluster.world_size, small.graph is study.graph
+            (4, True)
+            >>> study.on_cluster("v100-t4-small") is small, small.on_cluster(study.cluster)
+            (True, Study('digits_mlp' on 'local-hybrid': 2 ranks, V100-SXM2-32GB, T4))
+        """
+        cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+        if cluster is self.cluster:
+            return self
+        variants = self._variants
+        variants.setdefault(_cluster_key(self.cluster), self)
+        key = _cluster_key(cluster)
+        if key not in variants:
+            self.prepared  # traced and prepared once, for every variant
+            variant = copy.copy(self)
+            variant.cluster, variant._kept_allocator = cluster, None
+            variants[key] = variant
+        return variants[key]
 
     def compare(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
                 throughput_target: float | None = None,
@@ -229,6 +280,7 @@ class Study:
         self.profiles = (str(out), str(data_file("profiles", "cpu.csv")))
         self.costs = load_cost_model(*self.profiles)
         self.run_threads = threads
+        self._variants = {}  # made again, with these costs
         return written
 
     def _profile_batch(self):
@@ -309,3 +361,9 @@ class Study:
         else:
             memory = dict.fromkeys(self.cluster.device_kinds, memory_limit)
         return Constraints(memory, throughput_target)
+
+
+def _cluster_key(cluster: Cluster) -> tuple:
+    """What tells clusters apart for :meth:`Study.on_cluster`: the definition, and the ranks
+    (a plan's batch sizes change them, not the definition)."""
+    return cluster.fingerprint(), cluster.ranks

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 import torch
 
-from qsync_lab.cli import LAB_NOTEBOOK, lab_environment, main, voila_command
+from qsync_lab.cli import main
+from qsync_lab.cli.lab import LAB_NOTEBOOK, lab_environment, voila_command
 
 TINY_NOTEBOOK = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}}, "cells": [{

@@ -21,8 +21,7 @@ from qsync_lab.widgets.controls import COMPRESSIONS, TunerControls
 from qsync_lab.widgets.export import cluster_commands, export_plan
 from qsync_lab.widgets.figures import replace_figure
 from qsync_lab.widgets.local_run import LocalRun, read_new_metrics, runs_here
-from qsync_lab.widgets.replan import (FIGURES, TunerResult, TunerSettings, compare_result,
-                                      replan, study_on)
+from qsync_lab.widgets.replan import FIGURES, TunerResult, TunerSettings, compare_result, replan
 from qsync_lab.widgets.shape import kind_batch_sizes, kind_counts, reshape_cluster
 from qsync_lab.widgets.summary import error_html, summary_html
 from qsync_lab.widgets.tuner import COMPARISON_TAB, TABS, PlanTuner
@@ -30,5 +29,4 @@ from qsync_lab.widgets.tuner import COMPARISON_TAB, TABS, PlanTuner
 __all__ = ["COMPARISON_TAB", "COMPRESSIONS", "FIGURES", "LocalRun", "PlanTuner", "TABS",
            "TunerControls", "TunerResult", "TunerSettings", "cluster_commands", "compare_result",
            "error_html", "export_plan", "kind_batch_sizes", "kind_counts", "read_new_metrics",
-           "replace_figure", "replan", "reshape_cluster", "runs_here", "study_on",
-           "summary_html"]
+           "replace_figure", "replan", "reshape_cluster", "runs_here", "summary_html"]

@@ -16,15 +16,13 @@ Example::
     ('fp32', 'uniform-low', 'dynamic-batching')
 """
 
-import copy
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from qsync_lab.cluster import Cluster
 from qsync_lab.plan import Plan
 from qsync_lab.viz import (plot_comparison, plot_indicator, plot_memory, plot_precision_map,
                            plot_timeline)
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
     from qsync_lab.simulate import SimResult
     from qsync_lab.study import Study
 
-__all__ = ["FIGURES", "TunerResult", "TunerSettings", "compare_result", "replan", "study_on"]
+__all__ = ["FIGURES", "TunerResult", "TunerSettings", "compare_result", "replan"]
 
 #: the figures of a re-plan, in the tuner's tab order (the comparison's tab is the fourth)
 FIGURES = ("timeline", "memory", "indicator", "precision_map")
@@ -67,7 +65,8 @@ class TunerResult:
     """One re-plan.
 
     Attributes:
-        study: the study on the settings' cluster (see :func:`study_on`).
+        study: the study on the settings' cluster
+            (:meth:`~qsync_lab.study.Study.on_cluster`).
         settings: what it was planned under.
         memory_gib: the settings' budgets of the cluster's device kinds (what was planned
             under; a kind left out had its device's memory).
@@ -85,12 +84,10 @@ class TunerResult:
     seconds: float
 
 
-def replan(study: "Study", settings: TunerSettings, *,
-           variants: MutableMapping[str, "Study"] | None = None) -> TunerResult:
-    """Plan and simulate ``settings`` on ``study`` and draw the :data:`FIGURES`.
-
-    ``variants`` is a dict the caller keeps across calls: the study made for each cluster
-    composition is reused from it, with its warm allocator.
+def replan(study: "Study", settings: TunerSettings) -> TunerResult:
+    """Plan and simulate ``settings`` on ``study`` (on the settings' cluster composition:
+    :meth:`~qsync_lab.study.Study.on_cluster`, which keeps its warm allocator) and draw the
+    :data:`FIGURES`.
 
     Raises:
         QSyncError: the settings have no plan (the one-line reason, e.g. the best
@@ -99,7 +96,7 @@ def replan(study: "Study", settings: TunerSettings, *,
     start = time.perf_counter()
     cluster = reshape_cluster(study.cluster, counts=settings.counts,
                               batch_sizes=settings.batch_sizes)
-    tuned = study_on(study, cluster, variants)
+    tuned = study.on_cluster(cluster)
     memory_gib = {k: v for k, v in settings.memory_gib.items() if k in cluster.device_kinds}
     plan = tuned.plan(memory_limit=memory_gib,
                       throughput_target=settings.throughput_samples_per_s,
@@ -131,22 +128,3 @@ def compare_result(result: TunerResult) -> go.Figure:
         memory_limit=dict(result.memory_gib), throughput_target=settings.throughput_samples_per_s,
         compressions=[settings.compression] if settings.compression else ())
     return plot_comparison(table)
-
-
-def study_on(study: "Study", cluster: Cluster,
-             variants: MutableMapping[str, "Study"] | None = None) -> "Study":
-    """``study`` on ``cluster``: itself for its own cluster, else a copy sharing its model,
-    traced graph, costs and indicator cache (kept in ``variants`` by the cluster's
-    fingerprint when given)."""
-    if cluster is study.cluster:
-        return study
-    key = cluster.fingerprint()
-    if variants is not None and key in variants:
-        return variants[key]
-    study.prepared  # traced and prepared once, before the copy shares it
-    tuned = copy.copy(study)
-    tuned.cluster = cluster
-    if variants is not None:
-        variants[key] = tuned
-    return tuned
-

@@ -108,8 +108,7 @@ class PlanTuner:
         self.study = study if study is not None else Study(model, cluster=cluster,
                                                            **study_options)
         self.root = Path(root)
-        self._variants: dict[str, Study] = {}
-        self.result: TunerResult = replan(self.study, TunerSettings(), variants=self._variants)
+        self.result: TunerResult = replan(self.study, TunerSettings())
         self.controls = TunerControls.for_study(
             self.study, throughput_max=THROUGHPUT_RANGE * self.result.sim.throughput_samples_per_s)
         self.summary = widgets.HTML(summary_html(self.result),
@@ -173,7 +172,7 @@ class PlanTuner:
         """Re-plan under the controls' settings; a QSyncError goes to the summary."""
         self.summary.value += "<div><i>re-planning…</i></div>"
         try:
-            result = replan(self.study, self.controls.settings(), variants=self._variants)
+            result = replan(self.study, self.controls.settings())
         except QSyncError as err:
             self.summary.value = error_html(str(err), self.result)
             return

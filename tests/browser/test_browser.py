@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from qsync_lab.cli import (LAB_CULL_INTERVAL_S, LAB_KERNEL_IDLE_S, LAB_NOTEBOOK,
-                           lab_environment, voila_command)
+from qsync_lab.cli.lab import (LAB_CULL_INTERVAL_S, LAB_KERNEL_IDLE_S, LAB_NOTEBOOK,
+                               lab_environment, voila_command)
 from qsync_lab.report import write_report
 from qsync_lab.study import Study
 

@@ -6,7 +6,7 @@ import pytest
 
 from qsync_lab.cluster import load_cluster
 from qsync_lab.errors import QSyncError
-from qsync_lab.widgets import LocalRun, read_new_metrics, runs_here, study_on
+from qsync_lab.widgets import LocalRun, read_new_metrics, runs_here
 
 RUN_START_TIMEOUT_S = 180
 
@@ -28,7 +28,7 @@ def test_metrics_are_read_line_by_line_as_the_file_grows(tmp_path):
 def test_only_clusters_this_machine_emulates_run_here(study, tmp_path):
     assert runs_here(load_cluster("local-hybrid")) and runs_here(load_cluster("local-cpu"))
     assert not runs_here(load_cluster("v100-t4-small"))
-    real = study_on(study, load_cluster("v100-t4-small"))
+    real = study.on_cluster("v100-t4-small")
     with pytest.raises(QSyncError, match="does not emulate"):
         LocalRun(real, real.plan(strategy="fp32"), tmp_path, steps=2)
     assert not list(tmp_path.iterdir())

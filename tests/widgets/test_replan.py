@@ -50,13 +50,12 @@ def test_an_unreachable_target_says_the_best_reachable(study):
 
 
 def test_a_composition_is_made_once_and_shares_the_traced_graph(study):
-    variants = {}
-    first = replan(study, TunerSettings(counts={"T4": 2}), variants=variants)
-    again = replan(study, TunerSettings(counts={"T4": 2}, strategy="fp32"), variants=variants)
-    assert again.study is first.study is not study and len(variants) == 1
+    first = replan(study, TunerSettings(counts={"T4": 2}))
+    again = replan(study, TunerSettings(counts={"T4": 2}, strategy="fp32"))
+    assert again.study is first.study is not study
     assert first.study.graph is study.graph and study.cluster.world_size == 2
     assert first.sim.rank_devices == (V100, "T4", "T4")
-    assert replan(study, TunerSettings(counts={"T4": 1}), variants=variants).study is study
+    assert replan(study, TunerSettings(counts={"T4": 1})).study is study
 
 
 def test_a_failed_comparison_raises_its_error(study, monkeypatch):
