@@ -55,7 +55,7 @@ __all__ = ["check_run", "launch", "rank_error", "start", "stop_run", "torchrun_c
 
 STOP_GRACE_S = 20.0  # torchrun's own wait for its workers is 30 s
 _POLL_S = 0.2
-_NOTE = "qsync_lab: "  # how the ranks mark a note for the user (trainer's _Run._note)
+_NOTE = "qsync_lab: "  # how the ranks mark a note for the user (RankContext.note)
 _RUNTIME_ERROR = "qsync_lab.runtime: error: "  # how a rank reports a QSyncError (__main__)
 _TRACEBACK = "Traceback (most recent call last):"
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")  # torchrun's --tee/prefix option

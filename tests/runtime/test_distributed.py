@@ -90,18 +90,18 @@ FAULT_ARGS = ("--data", "synthetic", "--steps", str(FAULT_STEPS), "--checkpoint-
 #: SIGKILLed after the final checkpoint and weights, just before it writes summary.json
 KILLED_BEFORE_THE_SUMMARY = """
 import os, signal
-from qsync_lab.runtime import trainer
+from qsync_lab.runtime import summary
 from qsync_lab.runtime.__main__ import main
 from qsync_lab.runtime.rank_exit import exit_rank
 
-write = trainer.atomic_write_text
+write = summary.atomic_write_text
 
 def killed_before_the_summary(path, text, **options):
     if path.name == "summary.json" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         os.kill(os.getpid(), signal.SIGKILL)
     write(path, text, **options)
 
-trainer.atomic_write_text = killed_before_the_summary
+summary.atomic_write_text = killed_before_the_summary
 exit_rank(main())
 """
 

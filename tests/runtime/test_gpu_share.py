@@ -183,18 +183,19 @@ def test_a_rank_on_a_shared_gpu_enters_its_own_share(tmp_path, monkeypatch, rank
     cluster, and every rank on that GPU passes the same shares."""
     import torch
 
-    from qsync_lab.runtime import trainer
+    from qsync_lab.runtime import rank_context
+    from qsync_lab.runtime.options import TrainConfig
     from tests.runtime.conftest import cluster_file, write_plan
 
     groups = ['{ kind = "H100-SXM5-80GB", count = 1, sms = 116 }',
               '{ kind = "H100-SXM5-80GB", count = 1, sms = 16 }']
     plan = write_plan(tmp_path / "plan.json", cluster_file(tmp_path, groups), {})
     entered = []
-    monkeypatch.setattr(trainer.dist, "get_rank", lambda: rank)
-    monkeypatch.setattr(trainer.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(rank_context.dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(rank_context.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(trainer, "enter_sm_partition", lambda *call: entered.append(call))
-    run = trainer._Run(trainer.TrainConfig(str(plan), str(tmp_path / "run"), steps=1), None)
+    monkeypatch.setattr(rank_context, "enter_sm_partition", lambda *call: entered.append(call))
+    run = rank_context.RankContext(TrainConfig(str(plan), str(tmp_path / "run"), steps=1), None)
     assert run.device == torch.device("cuda", 0)
     assert entered == [([116, 16], position, 0)]

@@ -11,7 +11,7 @@ import torch
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import get_model
 from qsync_lab.quant import apply_plan_, restore_rounding_counters, rounding_counters
-from qsync_lab.runtime import trainer
+from qsync_lab.runtime import rank_context
 from qsync_lab.runtime.__main__ import main
 from qsync_lab.runtime.checkpoint import checkpoint_path, load_checkpoint
 from qsync_lab.runtime.metrics import read_metrics, summary_line
@@ -378,7 +378,7 @@ def _nan_inputs(*args, **kwargs):
 
 def test_the_command_exits_2_with_one_line_on_a_nonfinite_loss(tmp_path, single_rank_group,
                                                                monkeypatch, capsys):
-    monkeypatch.setattr(trainer, "load_task", _nan_inputs)
+    monkeypatch.setattr(rank_context, "load_task", _nan_inputs)
     plan = one_rank_plan(tmp_path)
     assert main(["--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--steps", "3",
                  "--threads", str(torch.get_num_threads())]) == 2
@@ -394,7 +394,7 @@ def test_a_compressed_run_stops_in_one_line_and_refuses_skip_mode(tmp_path, sing
     with pytest.raises(QSyncError, match="--on-nonfinite skip does not work with gradient "
                        "compression"):
         train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2, on_nonfinite="skip"))
-    monkeypatch.setattr(trainer, "load_task", _nan_inputs)
+    monkeypatch.setattr(rank_context, "load_task", _nan_inputs)
     with pytest.raises(QSyncError, match="^step 0: a gradient of a global_qsgd bucket holds "
                        "NaN or Inf") as err:  # the hook stops every rank; DDP passes only text
         train(TrainConfig(str(plan), str(tmp_path / "run"), steps=2))

@@ -1,0 +1,130 @@
+"""A run's state in its checkpoints: what every ``checkpoint_every`` steps saves, and what
+``--resume`` restores.
+
+:func:`save_run_checkpoint` gathers every rank's own state (RNG states, rounding counters,
+compression and loss-scaler state) beside the model and optimizer, and rank 0 writes it as
+``checkpoint-<step>.safetensors`` (:mod:`~qsync_lab.runtime.checkpoint`), keeping the last
+``keep_checkpoints``. :func:`restore` continues from the newest checkpoint that verifies,
+exactly: it refuses a checkpoint whose run differs in a setting that defines the run
+(each difference named), and takes a change of a safe option
+(:data:`~qsync_lab.runtime.options.SAFE_CHANGES`) only when ``allow_change`` names it.
+"""
+
+from typing import Any
+
+import torch.distributed as dist
+
+from qsync_lab.errors import QSyncError
+from qsync_lab.quant import restore_rounding_counters, rounding_counters
+from qsync_lab.runtime.build import RankModel
+from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpoint_path,
+                                          latest_valid_checkpoint, prune_checkpoints,
+                                          restore_rng_state, save_checkpoint,
+                                          settings_differences)
+from qsync_lab.runtime.options import SAFE_CHANGES, option_name
+from qsync_lab.runtime.outputs import METRICS
+from qsync_lab.runtime.rank_context import RankContext
+
+__all__ = ["manifest", "restore", "save_run_checkpoint"]
+
+#: what restoring a checkpoint's state raises when it is not this run's (entries missing or
+#: of another kind or shape: a file that verifies may still be made by hand)
+_STATE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
+
+
+def manifest(ctx: RankContext, step: int) -> dict[str, Any]:
+    """A checkpoint's manifest: its step and the run's settings."""
+    return {"step": step, "settings": ctx.settings}
+
+
+def save_run_checkpoint(ctx: RankContext, model: RankModel, step: int,
+                        nonfinite_skipped: int) -> None:
+    """Save the run's state after ``step`` steps (a collective: every rank calls it)."""
+    mine = {"rng": capture_rng_state(), "rounding": rounding_counters(model.ddp.module),
+            "compression": (model.compression.state_dict()
+                            if model.compression is not None else None),
+            "loss_scale": (model.loss_scale.state_dict()
+                           if model.loss_scale.is_enabled() else None)}
+    gathered = [None] * ctx.world
+    dist.all_gather_object(gathered, mine)
+    if ctx.rank == 0:
+        save_checkpoint(checkpoint_path(ctx.run_dir, step), {
+            "model": model.ddp.module.state_dict(), "optimizer": model.optimizer.state_dict(),
+            "ranks": gathered, "nonfinite_steps_skipped": nonfinite_skipped},
+            manifest(ctx, step))
+        prune_checkpoints(ctx.run_dir, step, ctx.config.keep_checkpoints)
+
+
+def restore(ctx: RankContext, model: RankModel) -> tuple[int, int]:
+    """Continue from the newest valid checkpoint (with ``resume``): the step reached and
+    the non-finite steps skipped so far ((0, 0): a fresh start). A checkpoint already at
+    ``steps`` or beyond is not loaded.
+
+    Raises:
+        QSyncError: the checkpoint's run is not this one (the differences named), or its
+            state is not this run's; one line.
+    """
+    if not ctx.config.resume:
+        return 0, 0
+    saved = latest_valid_checkpoint(ctx.run_dir, warn=ctx.note)
+    if saved is None:
+        if (ctx.run_dir / METRICS).exists():  # an earlier attempt saved nothing
+            ctx.note(f"--resume: no checkpoint in {ctx.run_dir} (none was written yet, "
+                     "or --checkpoint-every 0); starting from step 0")
+        return 0, 0
+    changed = _changes(ctx, saved, [name for name in ctx.settings if name not in SAFE_CHANGES])
+    if changed:
+        raise QSyncError(f"--resume: this run differs from its checkpoint in: "
+                         f"{_listed(changed)}; start a fresh --run-dir")
+    if saved.step >= ctx.config.steps:
+        return saved.step, 0
+    changed = _changes(ctx, saved, [name for name in SAFE_CHANGES
+                                    if name not in ctx.config.allow_change])
+    if changed:
+        raise QSyncError(f"--resume: this run changes {_listed(changed)} from its "
+                         f"checkpoint; pass --allow-change "
+                         f"{','.join(map(option_name, changed))} to go on so, or resume "
+                         "with the checkpoint's values")
+    return saved.step, _load_state(ctx, model, saved)
+
+
+def _changes(ctx: RankContext, saved: Checkpoint, names: list[str]) -> dict[str, str]:
+    """The settings of ``names`` that differ from the checkpoint's."""
+    return settings_differences(saved.manifest.get("settings", {}),
+                                {name: ctx.settings[name] for name in names})
+
+
+def _load_state(ctx: RankContext, model: RankModel, saved: Checkpoint) -> int:
+    """Put the checkpoint's state (a :func:`save_run_checkpoint`'s) back in this rank; the
+    non-finite steps it had skipped.
+
+    Raises:
+        QSyncError: the state, which verifies, is not this run's (entries missing or of
+            another kind or shape); one line.
+    """
+    state = saved.state
+    try:
+        mine = state["ranks"][ctx.rank]
+        model.ddp.module.load_state_dict(state["model"])
+        model.optimizer.load_state_dict(state["optimizer"])
+        restore_rounding_counters(model.ddp.module, mine["rounding"])
+        if model.compression is not None:
+            model.compression.load_state_dict(mine["compression"])
+        if model.loss_scale.is_enabled():
+            model.loss_scale.load_state_dict(mine["loss_scale"])
+        restore_rng_state(mine["rng"])
+        return int(state["nonfinite_steps_skipped"])
+    except _STATE_ERRORS as err:
+        raise QSyncError(f"{saved.path} verifies but does not hold this run's state "
+                         f"({_described(err)}); start a fresh --run-dir") from None
+
+
+def _listed(changes: dict[str, str]) -> str:
+    """``{"seed": "0 -> 1"}`` as ``seed 0 -> 1``, comma-separated."""
+    return ", ".join(f"{name} {change}" for name, change in changes.items())
+
+
+def _described(err: Exception) -> str:
+    """``KeyError: 'ranks'``: the error's type and the first line of its message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
