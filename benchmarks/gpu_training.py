@@ -252,8 +252,9 @@ class Bench:
 
     def plan_runner(self, work: Workload, study: Study, plan: Plan):
         """The trainer's build and step for ``plan`` (runtime/build.py's ``build_rank`` and
-        step_loop.py's ``StepLoop._step`` on one rank, whose loss weight is 1): the loss in fp32, a GradScaler on
-        CUDA when some op's gradients are fp16, the finite check before the optimizer."""
+        step_loop.py's ``StepLoop._step`` on one rank, whose loss weight is 1): the loss in
+        fp32, a GradScaler on CUDA when some op's gradients are fp16, the finite check before
+        the optimizer."""
         def build():
             torch.manual_seed(SEED)
             model = work.build()
