@@ -1,7 +1,9 @@
 """Operator kinds: which kind a module or function call is.
 
 A module class may declare its own kind with a class attribute ``op_kind`` (the zoo's
-``MatMul`` does), so user code can extend the table without touching this file.
+``MatMul`` does), so user code can extend the table without touching this file; a module of
+another class is the kind it computes, where the policy finds that by evidence
+(:mod:`qsync_lab.policy.evidence`: library linear maps and norms).
 
 Example::
 
@@ -16,6 +18,7 @@ import torch.nn as nn
 
 from qsync_lab.graph.records import OpRecord, op_name_of
 from qsync_lab.policy import PLANNABLE_KINDS, function_refusal, module_refusal
+from qsync_lab.policy.evidence import computed_kind
 
 #: kinds whose output aliases an input (no data movement, no FLOPs)
 VIEW_KINDS = frozenset({"view"})
@@ -140,7 +143,7 @@ def module_kind(module: nn.Module) -> str | None:
     for cls, kind in _MODULE_KINDS:
         if isinstance(module, cls):
             return kind
-    return None
+    return computed_kind(module)
 
 
 def function_kind(fn_name: str) -> str:
@@ -169,6 +172,16 @@ def module_record(name: str, module: nn.Module) -> OpRecord:
     kind = module_kind(module)
     return OpRecord(name, kind or "other", f"{type(module).__module__}.{type(module).__name__}",
                     plan_refusal=module_refusal(module, kind) or "")
+
+
+def gather_kind(rec: OpRecord) -> str:
+    """``"copy"`` for an indexing call with an integer or boolean index tensor (a gather, as
+    a relative-position-bias table is read: it copies), else the record's kind."""
+    if (rec.kind == "view" and op_name_of(rec.target) == "getitem"
+            and any(not t.dtype.is_floating_point and not t.dtype.is_complex
+                    for t in rec.inputs)):
+        return "copy"
+    return rec.kind
 
 
 def function_record(name: str, fn_name: str) -> OpRecord:

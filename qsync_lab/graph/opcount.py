@@ -181,6 +181,11 @@ def _short_name(target: str) -> str:
 def _count_gemm(rec: OpRecord, out_numel: int) -> tuple[int, int, int, tuple[int, ...], int]:
     weights = [m for _, m in rec.params if len(m.shape) >= 2]
     biases = [m for _, m in rec.params if len(m.shape) == 1]
+    if rec.kind == "linear" and len(weights) == 1 == len(rec.inputs) == len(rec.outputs):
+        # a linear map's input is (..., in_features), whichever way it stores its weight
+        macs = out_numel * (rec.inputs[0].shape[-1] if rec.inputs[0].shape else 1)
+        bias = out_numel if biases else 0
+        return 2 * macs + bias, 2 * macs, 2 * macs + bias, (0,), 0
     if weights:  # a weighted layer: activation input(s) x weight
         # in_features, or C_in/groups * prod(kernel); output i of weight i when there are
         # as many (an attention in-projection's separate query, key and value weights)

@@ -30,7 +30,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.graph.attention import splits
 from qsync_lab.graph.fx_tracer import trace_fx
 from qsync_lab.graph.hook_tracer import trace_hooks
-from qsync_lab.graph.kinds import VIEW_KINDS
+from qsync_lab.graph.kinds import VIEW_KINDS, gather_kind, module_kind
 from qsync_lab.graph.opcount import count_op
 from qsync_lab.graph.records import OpRecord
 from qsync_lab.modelstate import preserved_state
@@ -163,6 +163,8 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
         root = _with_loss(model, loss_fn, len(inputs), keywords=keywords)
         inputs = (*inputs, target) if loss_fn is not None else inputs
     with _TRACE_LOCK, preserved_state(model), torch.no_grad():
+        for module in model.modules():  # judged by running them, before fx patches them
+            module_kind(module)
         records, traced_with = _trace(root, inputs, method)
     if root is not model:
         records = [_strip_wrapper(rec, model) for rec in records]
@@ -241,6 +243,8 @@ def _build(records: list[OpRecord], model: nn.Module, traced_with: str) -> OpGra
     if not records:
         raise QSyncError(f"{type(model).__name__} ran no operators on the example inputs; "
                          "check that forward() uses its inputs")
+    for rec in records:
+        rec.kind = gather_kind(rec)
     counts = {rec.name: count_op(rec) for rec in records}
     kept = saved_tensors(records)
     depth = _depths(records)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from qsync_lab.batches import as_input_tuple, call_model
 from qsync_lab.errors import QSyncError
 from qsync_lab.indicator.statistics import SCORED_KINDS
 from qsync_lab.graph.kinds import module_kind
@@ -101,8 +102,8 @@ def hawq_scores(model: nn.Module, batches: Iterable, loss_fn: nn.Module,
         for inputs, target in batches:
             if taken == num_batches:
                 break
-            inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-            loss = loss_fn(model(*inputs), target)
+            inputs = as_input_tuple(inputs)
+            loss = loss_fn(call_model(model, inputs), target)
             grads = torch.autograd.grad(loss, weights, create_graph=True)
             for _ in range(samples):
                 vs = [torch.randint_like(w, 2) * 2 - 1 for w in weights]

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+from qsync_lab.batches import as_input_tuple, call_model
 from qsync_lab.errors import QSyncError
 from qsync_lab.indicator.baselines import hawq_scores, random_scores, wvar_scores
 from qsync_lab.indicator.scores import indicator
@@ -159,13 +160,13 @@ def _class_kl(reference: torch.Tensor, quantized: torch.Tensor) -> float:
 def _loss_grads_output(model: nn.Module, batch, loss_fn: nn.Module, seed: int):
     """Loss, parameter gradients and output of one batch, dropout drawn from ``seed``."""
     inputs, target = batch
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    inputs = as_input_tuple(inputs)
     with preserved_state(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.train()
         for p in model.parameters():
             p.grad = None
-        output = model(*inputs)
+        output = call_model(model, inputs)
         loss = loss_fn(output, target)
         loss.backward()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)

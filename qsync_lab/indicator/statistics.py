@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from qsync_lab.batches import as_input_tuple, call_model
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph.attention import in_proj_name, projection_weights, split_forward, splits
 from qsync_lab.graph.calls import ScopedCalls
@@ -48,6 +49,7 @@ from qsync_lab.indicator.formats import noise_variance, operand_noise
 from qsync_lab.modelstate import preserved_state
 from qsync_lab.policy import (DEFAULT_BACKWARD, NORM_KINDS, SCORED_KINDS, function_refusal,
                               kind_allows)
+from qsync_lab.policy.evidence import linear_weight
 from qsync_lab.precision import Precision
 
 #: precisions whose I/O rounding a norm's boundary applies (fp32 leaves it alone)
@@ -149,8 +151,8 @@ class _Recorder:
         self.rows = []
         for p in self.model.parameters():
             p.grad = None
-        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        loss = loss_fn(self.model(*inputs), target)
+        inputs = as_input_tuple(inputs)
+        loss = loss_fn(call_model(self.model, inputs), target)
         if not torch.isfinite(loss):
             raise QSyncError(f"calibration batch {batch} gives a non-finite loss ({loss.item()});"
                              " check the data and the model")
@@ -303,7 +305,7 @@ class _NormGeometry:
         self.has_weight = isinstance(weight, torch.Tensor)
         self.has_bias = isinstance(bias, torch.Tensor)
         shape = x.shape
-        eps = getattr(module, "eps", None)
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
         self.kind = kind
         self.centered = kind != "rms_norm"
         self.batch_stats = True
@@ -317,9 +319,9 @@ class _NormGeometry:
             self.to2d = lambda t: t.reshape(groups, -1)
             gamma = (self.to2d(weight.detach().float().view(1, -1, *[1] * (x.dim() - 2))
                                .expand(shape)) if self.has_weight else None)
-        else:  # layer_norm, rms_norm: the trailing normalized_shape
-            size = 1
-            for d in module.normalized_shape:
+        else:  # layer_norm, rms_norm: the trailing normalized_shape (a library norm's: its
+            size = 1  # weight's)
+            for d in getattr(module, "normalized_shape", None) or weight.shape:
                 size *= d
             self.to2d = lambda t: t.reshape(-1, size)
             gamma = weight.detach().float().reshape(1, -1) if self.has_weight else None
@@ -403,7 +405,7 @@ class _FunctionalCalls(ScopedCalls):
 def _operands(kind: str, module: nn.Module, args) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "matmul":
         return args[0], args[1]
-    return args[0], module.weight
+    return args[0], linear_weight(module) if kind == "linear" else module.weight
 
 
 def _macs(kind: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> int:

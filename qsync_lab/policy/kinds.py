@@ -20,6 +20,10 @@ be one of the kind's precisions too (never int8), and the device must run both
 (:meth:`~qsync_lab.devices.DeviceSpec.supports`). Every other kind follows its inputs
 (:mod:`qsync_lab.policy.resolve`).
 
+A module of a class this table does not list is an op of the kind it computes
+(:mod:`qsync_lab.policy.evidence`: a linear map with its weight stored either way, a layer
+or RMS norm), judged by running it.
+
 Skip rules, per call: a module whose class overrides the forward of the torch class of its
 kind (a linear, conv or embedding subclass with its own forward: the low-precision
 version would replace that forward), a module that declares ``op_kind`` of a kind with a
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.policy.evidence import computed_kind
 from qsync_lab.policy.op_precision import OpPrecision
 from qsync_lab.precision import Precision
 
@@ -158,6 +163,8 @@ def module_refusal(module, kind: str | None) -> str | None:
     cls = getattr(type(module), "op_float_class", type(module))
     base = rule.module_class
     if base is not None and not isinstance(module, base):
+        if computed_kind(module) == kind:  # its forward computes the kind (evidence)
+            return None
         return (f"its class {cls.__name__} declares op_kind {kind!r} but is not a "
                 f"{base.__name__}; it runs in fp32")
     if rule.replaces_forward and base is not None and cls.forward is not base.forward:

@@ -75,6 +75,17 @@ class _LinearForward(LowPrecisionOp):
                         self.next_seeds(2))
 
 
+class _TransposedLinearForward(LowPrecisionOp):
+    """A linear map that stores its weight ``(in, out)`` (GPT-2's ``Conv1D``) computed in
+    ``op_precision``, as ``nn.Linear`` with the transposed weight."""
+
+    op_linear_layout = "transposed"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return bilinear(LinearKernel(), input, self.weight.t(), self.bias, self.op_precision,
+                        self.next_seeds(2))
+
+
 class _ConvForward(LowPrecisionOp):
     """``nn.Conv1d``/``2d``/``3d`` computed in ``op_precision`` (per-channel scales: output
     channels). Non-zero padding modes and string paddings pad the input first."""
@@ -141,8 +152,10 @@ _LOW_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
-def low_precision_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
-    """The low-precision class of module class ``cls`` (an op of ``kind``), made once.
+def low_precision_class(cls: type[nn.Module], kind: str, *,
+                        transposed: bool = False) -> type[nn.Module]:
+    """The low-precision class of module class ``cls`` (an op of ``kind``; ``transposed``:
+    a linear map whose weight is ``(in, out)``), made once.
 
     Example::
 
@@ -154,7 +167,8 @@ def low_precision_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
         ('QProjection', True, True)
     """
     if cls not in _LOW_CLASSES:
-        _LOW_CLASSES[cls] = type(f"Q{cls.__name__}", (FORWARDS[kind], cls),
+        forward = _TransposedLinearForward if transposed else FORWARDS[kind]
+        _LOW_CLASSES[cls] = type(f"Q{cls.__name__}", (forward, cls),
                                  {"__module__": cls.__module__, "__doc__": cls.__doc__})
     return _LOW_CLASSES[cls]
 

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from torch import nn
 
 from qsync_lab.policy import PLANNABLE_KINDS, OpPrecision
+from qsync_lab.policy.evidence import linear_layout
 from qsync_lab.quant.modules import LowPrecisionOp, PrecisionBoundary, low_precision_class
 
 __all__ = ["BoundaryHandler", "OpHandler", "SwapHandler", "current_precision", "handler_for"]
@@ -54,7 +55,8 @@ class SwapHandler(OpHandler):
                 delattr(module, name)
         if cfg.is_fp32:
             return
-        module.__class__ = low_precision_class(type(module), self.kind)
+        transposed = self.kind == "linear" and linear_layout(module) == "transposed"
+        module.__class__ = low_precision_class(type(module), self.kind, transposed=transposed)
         module.op_precision = cfg
         module.op_seed = zlib.crc32(fqn.encode())
         module.op_calls = 0

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qsync_lab.batches import Inputs, call_model, map_inputs
 from qsync_lab.errors import QSyncError
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.runtime.task_sizes import (SYNTHETIC_SAMPLES, TOKEN_SAMPLES, ZIPF_TOKEN_SAMPLES,
@@ -36,27 +37,6 @@ from qsync_lab.runtime.task_sizes import (SYNTHETIC_SAMPLES, TOKEN_SAMPLES, ZIPF
 __all__ = ["TASKS", "Task", "call_model", "default_task", "load_task", "map_inputs"]
 
 MNIST1D_LENGTH = 40
-
-
-Inputs = "tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]"
-
-
-def map_inputs(inputs, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """``fn`` applied to every input tensor, keeping the tuple or dict.
-
-    Example::
-
-        >>> map_inputs({"ids": torch.arange(6)}, lambda t: t[:2])
-        {'ids': tensor([0, 1])}
-    """
-    if isinstance(inputs, Mapping):
-        return {name: fn(t) for name, t in inputs.items()}
-    return tuple(fn(t) for t in inputs)
-
-
-def call_model(model: nn.Module, inputs):
-    """``model(*inputs)``, or ``model(**inputs)`` for a dict batch."""
-    return model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
 
 
 @dataclass(frozen=True)
