@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
@@ -42,6 +44,17 @@ import json
 with open("result.json", "w") as out:
     json.dump({"summary": summary, "t4_low_precision_ops": plan.low_precision_ops()["T4"]}, out)
 """
+
+
+def test_the_library_model_example_runs_as_printed_and_plans_low_precision(tmp_path):
+    pytest.importorskip("transformers")
+    example = next(block for block in _blocks("python") if "transformers" in block)
+    report = "\nprint(plan.low_precision_ops()['T4'], plan.cluster.name)"
+    done = subprocess.run([sys.executable, "-c", example + report], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    low_ops, cluster = done.stdout.split()[-2:]
+    assert int(low_ops) > 0 and cluster == "local-hybrid"
 
 
 def test_the_command_line_examples_write_distinct_files():
