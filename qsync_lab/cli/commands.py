@@ -19,7 +19,6 @@ __all__ = ["cluster_command", "clusters_command", "demo_command", "graph_command
            "simulate_command"]
 
 _OP_COLUMNS = ["kind", "output_shapes", "fwd_gflops", "bwd_gflops", "saved_mb", "depth"]
-_UNIFORM_KINDS = ["linear", "conv1d", "conv2d", "conv3d"]  # what --uniform sets
 
 
 def graph_command(args) -> None:
@@ -209,7 +208,9 @@ def _traced(study):
 def _uniform_plan(graph, uniform: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
     """Device kind -> {op -> precision}: every plannable linear and conv op of each kind in
     its ``--uniform`` precision."""
-    gemms = graph.ops.index[graph.ops["kind"].isin(_UNIFORM_KINDS)
+    from qsync_lab.policy import GEMM_KINDS, WEIGHTED_KINDS
+
+    gemms = graph.ops.index[graph.ops["kind"].isin(GEMM_KINDS & WEIGHTED_KINDS)
                             & (graph.ops["plan_refusal"] == "")]
     plan: dict[str, dict[str, str]] = {}
     for device, precision in uniform:
