@@ -153,8 +153,20 @@ def test_unknown_fqn(plan, graph, cluster, tmp_path):
 def test_precision_the_device_cannot_run(plan, graph, cluster, tmp_path):
     path = _edited(plan, tmp_path, lambda d: d["_data"]["precisions"]["V100-SXM2-32GB"].update(
         {"0": "int8"}))
-    _one_line_error(path, "cannot run int8", graph=graph, cluster=cluster)
-    _one_line_error(path, "cannot run int8")
+    match = "op '0': V100-SXM2-32GB does not support int8"
+    _one_line_error(path, match, graph=graph, cluster=cluster)
+    _one_line_error(path, match)
+
+
+def test_a_forward_the_device_has_no_kernel_for_is_refused_without_a_graph(graph, tmp_path):
+    cluster = tmp_path / "h100.toml"
+    cluster.write_text('name = "h100"\nbatch_size = 8\n\n[[node]]\nname = "n0"\n'
+                       'intra_node_link = "loopback"\n'
+                       'devices = [{ kind = "H100-SXM5-80GB", count = 1 }]\n')
+    plan = Plan.build(graph, load_cluster(cluster), {"H100-SXM5-80GB": {"0": "fp8_e4m3"}})
+    path = _edited(plan, tmp_path, lambda d: d["_data"]["precisions"]["H100-SXM5-80GB"].update(
+        {"0": "fp8_e5m2"}))
+    _one_line_error(path, "op '0': H100-SXM5-80GB has no fp8_e5m2 x fp8_e5m2 GEMM")
 
 
 def test_world_size_mismatch(plan, graph, tmp_path):
@@ -254,3 +266,10 @@ def test_every_strategy_records_the_constraints_it_planned_under(digits_study, s
     assert plan.strategy == strategy
     assert dict(plan.constraints.memory_gib) == {"T4": 2.0}
     assert plan.constraints.throughput_samples_per_s == 1.0
+
+
+def test_a_device_kind_the_cluster_lacks_is_refused_when_built(graph):
+    partitioned = load_cluster("one-gpu-hybrid")  # kinds H100-SXM5-80GB/116sm and /16sm
+    with pytest.raises(QSyncError, match="device kind 'H100-SXM5-80GB', which cluster "
+                                         "'one-gpu-hybrid' does not have"):
+        Plan.build(graph, partitioned, {"H100-SXM5-80GB": {"0": "bf16"}})

@@ -29,7 +29,7 @@ from qsync_lab.optimizers import OPTIMIZER_STATES
 from qsync_lab.plan.document import load_document, plan_document, read_document
 from qsync_lab.plan.fields import (MAX_TEXT_CHARS, RankPlan, check_model, check_text, frozen,
                                    frozen_data, thawed)
-from qsync_lab.policy import KindPlan, OpPrecision
+from qsync_lab.policy import KindPlan, OpPrecision, validate_plan
 from qsync_lab.tomlfile import show
 
 if TYPE_CHECKING:
@@ -107,6 +107,11 @@ class Plan:
         plan was made under (recorded with the catalog's names of the device kinds).
         """
         names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
+        unknown = sorted(set(names) - set(cluster.device_kinds))
+        if unknown:
+            raise QSyncError(f"the plan has device kind {unknown[0]!r}, which cluster "
+                             f"{cluster.name!r} does not have ({', '.join(cluster.device_kinds)})"
+                             "; remove it or fix the name")
         plan = cls(
             model_fingerprint=graph.fingerprint(),
             cluster_definition=frozen_data(cluster.definition),
@@ -200,30 +205,39 @@ class Plan:
 
         Raises:
             QSyncError: another model, a world size or device list that does not match,
-                an unknown op FQN or a precision an op or device cannot run, in one line.
+                an unknown op FQN or a precision an op or device cannot run (the policy's
+                :func:`~qsync_lab.policy.validate_plan`; without a graph, only the
+                devices), in one line.
+
+        Example::
+
+            >>> from qsync_lab.cluster import load_cluster
+            >>> cluster = load_cluster("local-hybrid")
+            >>> plan = Plan("abc", cluster.definition, (RankPlan(0, "V100-SXM2-32GB", 16),
+            ...             RankPlan(1, "T4", 16)), {"T4": {"0": OpPrecision.parse("bf16")}})
+            >>> try:
+            ...     plan.validate()  # no graph: only the devices are checked
+            ... except QSyncError as err:
+            ...     print(str(err).split(";")[0])
+            plan for T4: op '0': T4 does not support bf16
         """
         cluster = cluster if cluster is not None else self.cluster
         _check_cluster(self, cluster)
         if self.constraints is not None:
             self.constraints.for_cluster(cluster)  # its budgets are for this cluster's kinds
-        for kind, ops in self.precisions.items():
-            device = cluster.catalog.device(kind)
-            for fqn, cfg in ops.items():
-                for precision in (cfg.forward, cfg.backward_precision):
-                    if not device.supports(precision):
-                        raise QSyncError(f"plan for {kind}: op {fqn!r}: {kind} cannot run "
-                                         f"{precision}; re-plan for this cluster")
+        work = None  # without a graph, the policy checks only the devices
+        if graph is not None:
+            fingerprint = graph.fingerprint()
+            if fingerprint != self.model_fingerprint:
+                raise QSyncError(f"the plan was made for another model (fingerprint "
+                                 f"{self.model_fingerprint}, this model's is {fingerprint}); "
+                                 "re-plan for this model with `qsync-lab plan`")
+            from qsync_lab.costs import op_work
+
+            work = op_work(graph)
+        validate_plan(self.precisions, work, cluster.device_kinds, cluster.catalog)
         if graph is None:
             return
-        fingerprint = graph.fingerprint()
-        if fingerprint != self.model_fingerprint:
-            raise QSyncError(f"the plan was made for another model (fingerprint "
-                             f"{self.model_fingerprint}, this model's is {fingerprint}); "
-                             "re-plan for this model with `qsync-lab plan`")
-        from qsync_lab.costs import op_work
-        from qsync_lab.policy import validate_plan
-
-        validate_plan(self.precisions, op_work(graph), cluster.device_kinds, cluster.catalog)
         unknown = [pattern for pattern, _ in self.compression_settings.rules
                    if pattern != "_default" and not pattern.startswith("re:")
                    and pattern not in graph.params.index]

@@ -20,8 +20,9 @@ Example::
 
 from qsync_lab.policy.kinds import (GEMM_KINDS, NORM_KINDS, PLANNABLE_KINDS, SCORED_KINDS,
                                     WEIGHTED_KINDS, KindRule, allowed_precisions,
-                                    check_op_precision, forward_refusal, function_refusal,
-                                    kind_allows, module_refusal, runs_natively)
+                                    check_device_precision, check_op_precision,
+                                    forward_refusal, function_refusal, kind_allows,
+                                    module_refusal, runs_natively)
 from qsync_lab.policy.op_precision import (DEFAULT_BACKWARD, FP8_PRECISIONS, GRANULARITIES,
                                            ROUNDINGS, OpPrecision)
 from qsync_lab.policy.resolve import (ROUNDED_OUTPUTS, KindPlan, PrecisionAssignment,
@@ -32,7 +33,8 @@ __all__ = [
     "DEFAULT_BACKWARD", "FP8_PRECISIONS", "GEMM_KINDS", "GRANULARITIES", "NORM_KINDS",
     "PLANNABLE_KINDS", "ROUNDED_OUTPUTS", "ROUNDINGS", "SCORED_KINDS", "WEIGHTED_KINDS",
     "KindPlan", "KindRule", "OpPrecision", "PrecisionAssignment", "allowed_precisions",
-    "check_op_precision", "forward_refusal", "function_refusal", "kind_allows", "module_refusal",
+    "check_device_precision", "check_op_precision", "forward_refusal", "function_refusal",
+    "kind_allows", "module_refusal",
     "output_precision", "resolve_precisions", "runs_natively", "storage_precision",
     "validate_plan",
 ]

@@ -54,7 +54,7 @@ from qsync_lab.policy.op_precision import OpPrecision
 from qsync_lab.precision import Precision
 
 __all__ = ["GEMM_KINDS", "NORM_KINDS", "PLANNABLE_KINDS", "SCORED_KINDS", "WEIGHTED_KINDS",
-           "KindRule", "allowed_precisions", "check_op_precision",
+           "KindRule", "allowed_precisions", "check_device_precision", "check_op_precision",
            "forward_refusal", "function_refusal", "kind_allows", "module_refusal",
            "runs_natively"]
 
@@ -213,9 +213,18 @@ def check_op_precision(kind: str, spec: "str | Precision | OpPrecision | Mapping
                        device=None) -> OpPrecision:
     """The config of ``spec`` if ops of ``kind`` may run it (on ``device`` when given).
 
+    Example::
+
+        >>> try:
+        ...     check_op_precision("layer_norm", "int8")
+        ... except QSyncError as err:
+        ...     print(err)
+        layer_norm ops cannot run int8; they take fp32, bf16, fp16
+
     Raises:
         QSyncError: one line: the kind follows its inputs, the kind cannot take the forward
-            or backward precision, or the device cannot run one of them.
+            or backward precision, or the device cannot run one of them
+            (:func:`check_device_precision`).
     """
     cfg = OpPrecision.parse(spec)
     rule = PLANNABLE_KINDS.get(kind)
@@ -225,9 +234,35 @@ def check_op_precision(kind: str, spec: "str | Precision | OpPrecision | Mapping
         if precision not in rule.precisions:
             allowed = ", ".join(p for p in Precision if p in rule.precisions)
             raise QSyncError(f"{kind} ops cannot run {precision}; they take {allowed}")
-        if device is not None:
-            device.require(precision)
-    refusal = None if device is None else forward_refusal(cfg.forward, device)
+    return cfg if device is None else check_device_precision(cfg, device)
+
+
+def check_device_precision(spec: "str | Precision | OpPrecision | Mapping",
+                           device) -> OpPrecision:
+    """The config of ``spec`` if ``device`` runs its forward and backward precisions
+    (:meth:`~qsync_lab.devices.DeviceSpec.require`) and its forward pass
+    (:func:`forward_refusal`), whatever the op's kind.
+
+    Example::
+
+        >>> from qsync_lab.devices import load_catalog
+        >>> catalog = load_catalog()
+        >>> str(check_device_precision("int8", catalog.device("T4")).backward_precision)
+        'fp16'
+        >>> try:
+        ...     check_device_precision("fp8_e5m2", catalog.device("H100-SXM5-80GB"))
+        ... except QSyncError as err:
+        ...     print(str(err).split(" (")[0])
+        H100-SXM5-80GB has no fp8_e5m2 x fp8_e5m2 GEMM
+
+    Raises:
+        QSyncError: one line: the device cannot run the forward or backward precision, or
+            has no kernel for the forward pass.
+    """
+    cfg = OpPrecision.parse(spec)
+    for precision in dict.fromkeys((cfg.forward, cfg.backward_precision)):
+        device.require(precision)
+    refusal = forward_refusal(cfg.forward, device)
     if refusal:
         raise QSyncError(refusal)
     return cfg

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.policy.kinds import PLANNABLE_KINDS, check_op_precision
+from qsync_lab.policy.kinds import PLANNABLE_KINDS, check_device_precision, check_op_precision
 from qsync_lab.policy.op_precision import DEFAULT_BACKWARD, OpPrecision
 from qsync_lab.precision import Precision
 
@@ -86,23 +86,37 @@ def output_precision(precision: Precision) -> Precision:
 
 
 def validate_plan(plan: Mapping[str, KindPlan], work, device_names: tuple[str, ...],
-                  catalog) -> dict[str, dict[int, OpPrecision]]:
+                  catalog) -> dict[str, dict[int | str, OpPrecision]]:
     """Check ``plan`` against the graph and the cluster's device kinds.
+
+    Without a graph (``work`` None) only the devices are checked, per op: each device kind
+    must run the op's forward and backward precisions
+    (:func:`~qsync_lab.policy.kinds.check_device_precision`).
 
     Args:
         plan: device kind -> {op FQN -> precision spec}.
-        work: the graph's per-op arrays (:class:`~qsync_lab.costs.OpWork`).
+        work: the graph's per-op arrays (:class:`~qsync_lab.costs.OpWork`), or None.
         device_names: the cluster's device kinds (catalog names).
         catalog: the catalog the names refer to.
 
     Returns:
-        catalog device name -> {op index -> config}; kinds not in ``plan`` get ``{}``.
+        catalog device name -> {op index -> config} (op FQN -> config without a graph);
+        kinds not in ``plan`` get ``{}``.
 
     Raises:
         QSyncError: unknown device kind, unknown FQN, an op a plan cannot set, or a
             precision its kind or the device cannot run, in one line.
+
+    Example::
+
+        >>> from qsync_lab.devices import load_catalog
+        >>> try:
+        ...     validate_plan({"T4": {"fc1": "bf16"}}, None, ("T4",), load_catalog())
+        ... except QSyncError as err:
+        ...     print(str(err).split(";")[0])
+        plan for T4: op 'fc1': T4 does not support bf16
     """
-    resolved: dict[str, dict[int, OpPrecision]] = {name: {} for name in device_names}
+    resolved: dict[str, dict[int | str, OpPrecision]] = {name: {} for name in device_names}
     for device_kind, ops in plan.items():
         device = catalog.device(device_kind)
         if device.name not in resolved:
@@ -183,16 +197,21 @@ def _forward_precision(work, i: int, by_index: Mapping[int, OpPrecision],
     return float_outs.pop() if len(float_outs) == 1 else Precision.FP32
 
 
-def _checked_kind_plan(work, ops: KindPlan, device) -> dict[int, OpPrecision]:
-    checked: dict[int, OpPrecision] = {}
+def _checked_kind_plan(work, ops: KindPlan, device) -> dict[int | str, OpPrecision]:
+    """Op index -> config of ``ops`` on ``device``; without a graph (``work`` None), the
+    plan's key -> config, checked against the device only."""
+    checked: dict[int | str, OpPrecision] = {}
     allowed: set[tuple[str, OpPrecision]] = set()  # each (op kind, config) checked once
     for key, spec in ops.items():
         try:
-            index = key if isinstance(key, int) else work.index_of(key)
+            index = key if work is None or isinstance(key, int) else work.index_of(key)
         except QSyncError as err:
             raise QSyncError(f"plan for {device.name}: {err}") from None
-        fqn = work.names[index]
+        fqn = key if work is None else work.names[index]
         try:
+            if work is None:
+                checked[key] = check_device_precision(spec, device)
+                continue
             if work.plan_refusals[index]:
                 raise QSyncError(work.plan_refusals[index])
             pair = (work.kinds[index], OpPrecision.parse(spec))

@@ -175,7 +175,7 @@ def test_a_precision_the_device_cannot_run_is_refused(tmp_path, single_rank_grou
     document = json.loads(plan.read_text())
     document["_data"]["precisions"]["T4"]["fc1"] = "bf16"   # hand-edited
     plan.write_text(json.dumps(document))
-    with pytest.raises(QSyncError, match="T4 cannot run bf16|T4 does not support bf16"):
+    with pytest.raises(QSyncError, match="T4 does not support bf16"):
         train(TrainConfig(str(plan), str(tmp_path / "run"), steps=1))
 
 
