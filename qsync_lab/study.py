@@ -7,7 +7,9 @@ the qsync :class:`~qsync_lab.allocate.Allocator` so that a notebook can re-plan 
 re-simulate cheaply (``benchmarks/replan.py`` times a slider's re-plans). The same study
 on another cluster (:meth:`Study.on_cluster`) shares all of that but the allocator, and the
 study keeps it. The command line and the widgets go through it; nothing here decides
-anything the functions it wires do not.
+anything the functions it wires do not. Its methods are thin: the arguments are checked in
+:mod:`qsync_lab.study_inputs`, what it keeps between calls in :mod:`qsync_lab.study_memo`
+and what runs the model on this machine in :mod:`qsync_lab.study_run`.
 
 Example::
 
@@ -20,23 +22,25 @@ Example::
     SimResult(2 ranks: 1 x V100-SXM2-32GB, 1 x T4; iteration ... ms, ...)
 """
 
-import copy
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 from torch import nn
 
-from qsync_lab.cluster import Cluster, load_cluster
+from qsync_lab.cluster import Cluster
 from qsync_lab.costs import CostModel, load_cost_model
-from qsync_lab.errors import QSyncError
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.plan import Plan
 from qsync_lab.precision import Precision
+from qsync_lab.study_inputs import (allocation_strategy, as_cluster, calibration_count,
+                                    cluster_low_precisions, constraints_from, precision_set,
+                                    study_model)
+from qsync_lab.study_memo import cluster_variant, current_allocator, kept_allocator
+from qsync_lab.study_run import (predict_local_run, profile_batch, profile_model,
+                                 profiles_with, score_model, train_plan)
 
 __all__ = ["Study"]
 
@@ -67,37 +71,16 @@ class Study:
                  profiles: Sequence["str | os.PathLike[str]"] = (),
                  calibration_batches: int = 2, optimizer: str = DEFAULT_OPTIMIZER,
                  progress: bool = True) -> None:
-        from qsync_lab.models import example_batch as zoo_batch
-        from qsync_lab.models import get_model, model_spec
-
         self.model_kwargs = dict(model_kwargs or {})
-        if isinstance(model, str):
-            spec = model_spec(model)
-            self.name, self.zoo_name = spec.name, spec.name
-            torch.manual_seed(0)
-            self.model = get_model(spec.name, **self.model_kwargs)
-            self.loss_fn = loss_fn or spec.loss_fn()
-            self._batch = functools.partial(zoo_batch, spec.name, batch_size,
-                                            **self.model_kwargs)
-        elif isinstance(model, nn.Module):
-            if example_batch is None:
-                raise QSyncError("a Study of your own module needs its example_batch: "
-                                 "(inputs, target)")
-            self.name, self.zoo_name, self.model = type(model).__name__, "", model
-            self.loss_fn = loss_fn or nn.CrossEntropyLoss()
-            self._batch = lambda seed=0: example_batch
-        else:
-            raise QSyncError(f"model must be a zoo model name or an nn.Module, got "
-                             f"{type(model).__name__}")
+        self.name, self.zoo_name, self.model, self.loss_fn, self._batch = study_model(
+            model, example_batch, loss_fn=loss_fn, model_kwargs=self.model_kwargs,
+            batch_size=batch_size)
         self.example = example_batch if example_batch is not None else self._batch(seed=0)
-        self.cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+        self.cluster = as_cluster(cluster)
         self.profiles = tuple(str(p) for p in profiles)
         self.costs = load_cost_model(*profiles) if profiles else CostModel()
-        if calibration_batches < 1:
-            raise QSyncError(f"calibration_batches must be at least 1, got {calibration_batches}")
-        self.calibration_batches = calibration_batches if self.zoo_name else 1
-        self.optimizer = optimizer
-        self.progress = progress
+        self.calibration_batches = calibration_count(calibration_batches, self.zoo_name)
+        self.optimizer, self.progress = optimizer, progress
         self.run_threads: int | None = None  # per rank: what the profile measured with
         self._indicators: dict[tuple, pd.DataFrame] = {}
         self._kept_allocator = None
@@ -126,25 +109,17 @@ class Study:
     @property
     def low_precisions(self) -> tuple[Precision, ...]:
         """Every precision other than fp32 that some device kind of the cluster runs."""
-        kinds = [self.cluster.catalog.device(k) for k in self.cluster.device_kinds]
-        return tuple(p for p in Precision
-                     if p is not Precision.FP32 and any(d.supports(p) for d in kinds))
+        return cluster_low_precisions(self.cluster)
 
     def indicator(self, precisions: Sequence["Precision | str"] | None = None) -> pd.DataFrame:
         """The sensitivity indicator per op and precision (default: the cluster's low
         precisions), computed once per set of precisions and kept on disk for the same
         model, batches and software (:mod:`qsync_lab.indicator.cache`)."""
-        from qsync_lab.indicator import indicator
-        from qsync_lab.indicator.cache import cached_indicator, indicator_key
-
-        wanted = tuple(sorted({Precision.parse(p) for p in (precisions or self.low_precisions)},
-                              key=list(Precision).index))
+        wanted = precision_set(precisions or self.low_precisions)
         if wanted not in self._indicators:
             batches = [self._batch(seed=s) for s in range(self.calibration_batches)]
-            key = indicator_key(self.model, self.graph, batches, self.loss_fn, wanted)
-            self._indicators[wanted] = cached_indicator(key, lambda: indicator(
-                self.model, self.graph, batches, loss_fn=self.loss_fn, precisions=wanted,
-                num_batches=len(batches), progress=self.progress))
+            self._indicators[wanted] = score_model(self.model, self.graph, batches, self.loss_fn,
+                                                   wanted, progress=self.progress)
         return self._indicators[wanted]
 
     def plan(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
@@ -162,18 +137,13 @@ class Study:
                 a mapping parameter pattern -> spec (:mod:`qsync_lab.compress`); the
                 allocation costs its communication.
         """
-        from qsync_lab.allocate import STRATEGIES
-
-        if strategy not in STRATEGIES:
-            raise QSyncError(f"unknown strategy {strategy!r}; choose one of: "
-                             f"{', '.join(STRATEGIES)}")
-        constraints = self._constraints(memory_limit, throughput_target)
+        allocate = allocation_strategy(strategy)
+        constraints = constraints_from(memory_limit, throughput_target, self.cluster.device_kinds)
         if strategy == "qsync":
             plan = self._allocator(compression).allocate(constraints).plan
         else:
-            plan = STRATEGIES[strategy](self.prepared, self.cluster, self.costs,
-                                        self.indicator(), constraints,
-                                        optimizer=self.optimizer, compression=compression)
+            plan = allocate(self.prepared, self.cluster, self.costs, self.indicator(),
+                            constraints, optimizer=self.optimizer, compression=compression)
         return plan.for_model(self.zoo_name, self.model_kwargs) if self.zoo_name else plan
 
     def simulate(self, plan: "Plan | Mapping[str, Mapping[str, str]] | None" = None, *,
@@ -197,7 +167,7 @@ class Study:
         """
         from qsync_lab.simulate import simulate
 
-        kept = self._kept()
+        kept = kept_allocator(self._kept_allocator, self.prepared, self.cluster, self.costs)
         if isinstance(plan, Plan):
             if kept is not None and optimizer is None and compression is None:
                 return kept.simulate(plan)
@@ -222,18 +192,8 @@ class Study:
             >>> study.on_cluster("v100-t4-small") is small, small.on_cluster(study.cluster)
             (True, Study('digits_mlp' on 'local-hybrid': 2 ranks, V100-SXM2-32GB, T4))
         """
-        cluster = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
-        if cluster is self.cluster:
-            return self
-        variants = self._variants
-        variants.setdefault(_cluster_key(self.cluster), self)
-        key = _cluster_key(cluster)
-        if key not in variants:
-            self.prepared  # traced and prepared once, for every variant
-            variant = copy.copy(self)
-            variant.cluster, variant._kept_allocator = cluster, None
-            variants[key] = variant
-        return variants[key]
+        cluster = as_cluster(cluster)
+        return self if cluster is self.cluster else cluster_variant(self._variants, self, cluster)
 
     def compare(self, *, memory_limit: "Mapping[str, float] | float | None" = None,
                 throughput_target: float | None = None,
@@ -242,9 +202,10 @@ class Study:
         (:func:`~qsync_lab.allocate.compare_strategies`)."""
         from qsync_lab.allocate import compare_strategies
 
-        return compare_strategies(self.prepared, self.cluster, self.costs, self.indicator(),
-                                  self._constraints(memory_limit, throughput_target),
-                                  optimizer=self.optimizer, compressions=compressions)
+        return compare_strategies(
+            self.prepared, self.cluster, self.costs, self.indicator(),
+            constraints_from(memory_limit, throughput_target, self.cluster.device_kinds),
+            optimizer=self.optimizer, compressions=compressions)
 
     def profile(self, out: "str | os.PathLike[str]", *, repeats: int = 5, threads: int = 1,
                 precisions: Sequence["Precision | str"] | None = None,
@@ -261,48 +222,28 @@ class Study:
         one process (a rank has a GPU of its own), with CUDA events; the rows are named
         after the GPU's catalog kind (:func:`~qsync_lab.profile.profile_machine`), e.g.
         ``study.profile("h100.csv", device="cuda")``."""
-        from qsync_lab.compress import CompressionSpec
-        from qsync_lab.profile import ProfileJob, profile_machine
-        from qsync_lab.resources import data_file
-
-        inputs, target = self._profile_batch()
-        inputs = inputs if isinstance(inputs, tuple | list) else (inputs,)
-        names = ["fp32", *(str(p) for p in (precisions or self.low_precisions))]
-        written = profile_machine([ProfileJob(self.name, self.model, tuple(inputs), target,
-                                              self.loss_fn)], out, precisions=names,
-                                  threads=threads, repeats=repeats,
-                                  processes=(self.cluster.world_size
-                                             if torch.device(device).type == "cpu" else 1),
-                                  casts=False, links=None,
-                                  compression=[str(CompressionSpec.parse(c)) for c in compression],
-                                  step_optimizer=self.optimizer, progress=self.progress,
-                                  device=device)
-        self.profiles = (str(out), str(data_file("profiles", "cpu.csv")))
+        written = profile_model(
+            self.name, self.model, self._profile_batch(), self.loss_fn, out,
+            precisions=precisions or self.low_precisions, ranks=self.cluster.world_size,
+            threads=threads, repeats=repeats, compression=compression,
+            optimizer=self.optimizer, progress=self.progress, device=device)
+        self.profiles = profiles_with(out)
         self.costs = load_cost_model(*self.profiles)
         self.run_threads = threads
         self._variants = {}  # made again, with these costs
         return written
 
     def _profile_batch(self):
-        """The batch the ops are timed at: a zoo model's at its ranks' batch size when they
-        share one (the rows then are the run's own, not scaled from the small example),
-        else the example batch."""
-        from qsync_lab.models import example_batch as zoo_batch
-
-        sizes = {rank.batch_size for rank in self.cluster.ranks}
-        if self.zoo_name and len(sizes) == 1:
-            return zoo_batch(self.zoo_name, sizes.pop(), **self.model_kwargs)
-        return self.example
+        """The batch :meth:`profile` times the ops at
+        (:func:`~qsync_lab.study_run.profile_batch`)."""
+        return profile_batch(self.zoo_name, self.model_kwargs, self.cluster, self.example)
 
     def predict_run(self, plan: Plan):
         """What a local run of ``plan`` is predicted to measure: emulated device kinds
         costed as this machine (:func:`~qsync_lab.runtime.prediction.predict_plan`), with
         the costs the run's own summary uses (the study's profiles, else the shipped CPU
         profile)."""
-        from qsync_lab.runtime.prediction import predict_plan, run_profiles
-
-        costs = self.costs if self.profiles else load_cost_model(*run_profiles())
-        return predict_plan(plan, self.graph, costs)
+        return predict_local_run(plan, self.graph, self.costs, self.profiles)
 
     def run(self, plan: Plan, *, steps: int = 100, run_dir: "str | os.PathLike[str]" = "qsync_run",
             verbose: bool = False, **options) -> dict[str, Any] | None:
@@ -314,56 +255,14 @@ class Study:
         ``optimizer``, ``data``, ...); the prediction uses the study's profiles. The plan is
         saved as ``run_dir/plan.json`` first.
         """
-        from qsync_lab.runtime.launch import launch
-        from qsync_lab.runtime.lock import check_run_dir_free
-        from qsync_lab.runtime.options import TrainConfig
-
-        if not plan.model_name:
-            raise QSyncError("Study.run trains zoo models; for your own module call "
-                             "qsync_lab.runtime.train(..., task=Task(...)) on every rank "
-                             "under torchrun")
-        check_run_dir_free(run_dir)  # the plan of a run still going there is kept
-        path = Path(run_dir) / "plan.json"
-        plan.save(path)
-        config = TrainConfig(plan=str(path), run_dir=str(run_dir), steps=steps,
-                             profiles=self.profiles, **options)
-        threads = self.run_threads
-        env = {"OMP_NUM_THREADS": str(threads)} if threads else None
-        return launch(config, threads=threads, env=env, verbose=verbose, progress=self.progress)
+        return train_plan(plan, steps=steps, run_dir=run_dir, profiles=self.profiles,
+                          threads=self.run_threads, verbose=verbose, progress=self.progress,
+                          **options)
 
     def _allocator(self, compression):
         """The qsync :class:`~qsync_lab.allocate.Allocator` of the study's current inputs,
         kept while they stay the same: a re-plan under new constraints reuses it."""
-        from qsync_lab.allocate import Allocator
-
-        kept, indicator = self._kept(), self.indicator()
-        if kept is None or kept.indicator is not indicator or (
-                kept.optimizer, kept.compression) != (self.optimizer, compression):
-            kept = self._kept_allocator = Allocator(
-                self.prepared, self.cluster, self.costs, indicator, optimizer=self.optimizer,
-                compression=compression)
-        return kept
-
-    def _kept(self):
-        """The kept allocator while the study's graph, cluster and costs are still its own."""
-        kept = self._kept_allocator
-        if kept is None or any(a is not b for a, b in zip(
-                (kept.prepared, kept.cluster, kept.costs),
-                (self.prepared, self.cluster, self.costs))):
-            return None
-        return kept
-
-    def _constraints(self, memory_limit, throughput_target):
-        from qsync_lab.allocate import Constraints
-
-        if memory_limit is None or isinstance(memory_limit, Mapping):
-            memory = dict(memory_limit or {})
-        else:
-            memory = dict.fromkeys(self.cluster.device_kinds, memory_limit)
-        return Constraints(memory, throughput_target)
-
-
-def _cluster_key(cluster: Cluster) -> tuple:
-    """What tells clusters apart for :meth:`Study.on_cluster`: the definition, and the ranks
-    (a plan's batch sizes change them, not the definition)."""
-    return cluster.fingerprint(), cluster.ranks
+        self._kept_allocator = current_allocator(
+            self._kept_allocator, self.prepared, self.cluster, self.costs, self.indicator(),
+            optimizer=self.optimizer, compression=compression)
+        return self._kept_allocator
