@@ -32,41 +32,25 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import numpy as np
 
-from qsync_lab.costs.calibrate import (CastFit, calibrate_efficiency, fit_cast_costs,
-                                       fit_compression_costs)
-from qsync_lab.costs.comm import broadcast_us, ring_allgather_us, ring_allreduce_us, slowest_link
-from qsync_lab.costs.profiles import OP_PHASES, ProfileTable, read_profile
+from qsync_lab.costs.calibrate import CastFit
+from qsync_lab.costs.collectives import BROADCAST_SUFFIX, broadcast_cost, ring_cost
+from qsync_lab.costs.comm import ring_allgather_us, ring_allreduce_us
+from qsync_lab.costs.cost import Cost
+from qsync_lab.costs.device_fits import DEVICE_FIELDS, aliased, profile_fits
+from qsync_lab.costs.emulation import emulated_on_gpu, emulated_times_us
+from qsync_lab.costs.measured import measured_host_times, measured_op_times
+from qsync_lab.costs.memory_bound import (cast_times_us, compression_cost, in_step_cost,
+                                          optimizer_cost)
+from qsync_lab.costs.profiles import ProfileTable, read_profile
 from qsync_lab.costs.roofline import Roofline, default_roofline
-from qsync_lab.costs.work import OpWork, batch_scales, phase_work, shape_key
+from qsync_lab.costs.work import OpWork, phase_work
 from qsync_lab.devices import DeviceCatalog, DeviceSpec, LinkSpec, load_catalog
-from qsync_lab.errors import QSyncError
-from qsync_lab.optimizers import optimizer_state_count
-from qsync_lab.policy import PLANNABLE_KINDS, runs_natively
 from qsync_lab.precision import Precision
 
-#: suffix of a link's measured DDP buffer broadcast in ``link_fits``
-BROADCAST_SUFFIX = "-ddp-broadcast"
-
-__all__ = ["Cost", "CostModel"]
-
-_CAST_KIND = "cast"
-#: profile metadata keys (and CostModel fields) of the step-overhead fit
-_OVERHEAD_KEYS = ("step_overhead_us", "event_overhead_us")
-#: profile metadata key prefix of the per-op cost of low precision (``op_overhead_us.bf16``)
-_OP_OVERHEAD_PREFIX = "op_overhead_us."
-_OPTIMIZER_KIND = "optimizer"
-
-
-@dataclass(frozen=True)
-class Cost:
-    """A duration and where it came from."""
-
-    us: float
-    source: str
+__all__ = ["BROADCAST_SUFFIX", "Cost", "CostModel"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,35 +112,7 @@ class CostModel:
         """
         catalog = catalog if catalog is not None else load_catalog()
         tables = tuple(read_profile(p) for p in paths)
-        rooflines: dict[str, Roofline] = {}
-        cast_fits: dict[tuple[str, Precision, Precision], CastFit] = {}
-        compress_fits: dict[tuple[str, str, str], CastFit] = {}
-        overheads: dict[str, dict] = {key: {} for key in _OVERHEAD_KEYS}
-        op_overheads: dict[tuple[str, Precision], float] = {}
-        for table in tables:
-            if "device" in table.metadata:
-                device_name = catalog.device(table.metadata["device"]).name
-                for key in _OVERHEAD_KEYS:
-                    if key in table.metadata:
-                        overheads[key].setdefault(device_name, _metadata_number(table, key))
-                for key in table.metadata:
-                    if key.startswith(_OP_OVERHEAD_PREFIX):
-                        precision = Precision.parse(key.removeprefix(_OP_OVERHEAD_PREFIX))
-                        op_overheads.setdefault((device_name, precision),
-                                                _metadata_number(table, key))
-            ops = table.frame[table.frame["phase"].isin(OP_PHASES)]
-            if calibrate:
-                for name in ops["device"].unique():
-                    device = catalog.device(name)
-                    rooflines[device.name] = calibrate_efficiency(ops, device,
-                                                                  source=table.source)
-            cast_fits.update(fit_cast_costs(table.frame, source=table.source))
-            compress_fits.update(fit_compression_costs(table.frame, source=table.source))
-        return cls(MappingProxyType(rooflines), profiles=tables,
-                   cast_fits=MappingProxyType(cast_fits),
-                   compress_fits=MappingProxyType(compress_fits),
-                   precision_op_overhead_us=MappingProxyType(op_overheads),
-                   **{key: MappingProxyType(values) for key, values in overheads.items()})
+        return cls(profiles=tables, **profile_fits(tables, catalog, calibrate=calibrate))
 
     def emulating(self, alias: str, device: str) -> "CostModel":
         """This model with device ``alias`` costed exactly as ``device`` (measured rows,
@@ -171,29 +127,10 @@ class CostModel:
             >>> measured.roofline_for(t4).source, emulated.roofline_for(t4).source
             ('roofline', 'fit:profile:cpu.csv')
         """
-        rooflines = dict(self.rooflines)
-        if device in rooflines:
-            rooflines[alias] = rooflines[device]
-        cast_fits = dict(self.cast_fits)
-        cast_fits.update({(alias, src, dst): fit for (name, src, dst), fit in
-                          self.cast_fits.items() if name == device})
-        compress_fits = dict(self.compress_fits)
-        compress_fits.update({(alias, spec, step): fit for (name, spec, step), fit in
-                              self.compress_fits.items() if name == device})
-        overheads = {}
-        for key in _OVERHEAD_KEYS:
-            values = dict(getattr(self, key))
-            if device in values:
-                values[alias] = values[device]
-            overheads[key] = MappingProxyType(values)
-        op_overheads = dict(self.precision_op_overhead_us)
-        op_overheads.update({(alias, p): us for (name, p), us in
-                             self.precision_op_overhead_us.items() if name == device})
+        fits = {name: aliased(getattr(self, name), alias, device) for name in DEVICE_FIELDS}
         return dataclasses.replace(
-            self, rooflines=MappingProxyType(rooflines), cast_fits=MappingProxyType(cast_fits),
-            compress_fits=MappingProxyType(compress_fits),
-            profiles=tuple(table.aliased(alias, device) for table in self.profiles),
-            precision_op_overhead_us=MappingProxyType(op_overheads), **overheads)
+            self, profiles=tuple(table.aliased(alias, device) for table in self.profiles),
+            **fits)
 
     def roofline_for(self, device: DeviceSpec) -> Roofline:
         """The calibrated roofline of ``device``, else the default one with the device's
@@ -220,26 +157,19 @@ class CostModel:
         flops, nbytes = phase_work(work, precisions, phase, batch_size=batch_size)
         roofline = self.roofline_for(device)
         times = roofline.times_us(flops, nbytes, work.kinds, device, precisions)
-        emulated = _emulated_on_gpu(work, keys, device)
+        emulated = emulated_on_gpu(work, keys, device)
         if emulated.any():
-            times = np.where(emulated, self._emulated_times_us(work, keys, device, batch_size,
-                                                               phase), times)
+            times = np.where(emulated, emulated_times_us(
+                work, keys, device, batch_size=batch_size, phase=phase, roofline=roofline,
+                cast_times_us=self.cast_times_us), times)
         floor_source = "floor:" + roofline.source.removeprefix("fit:")
         floored = roofline.floored(flops, nbytes, work.kinds, device, precisions) & ~emulated
         sources = [floor_source if f else roofline.source for f in floored]
-        tables = [t for t in self.profiles if any(k[0] == device.name for k in t.by_op)
-                  or any(k[0] == device.name for k in t.by_shape)]
-        if tables:
-            for i, name in enumerate(work.names):
-                if not (flops[i] > 0 or nbytes[i] > 0):
-                    continue
-                key = shape_key(work, i, batch_size)
-                for table in tables:
-                    found = table.op_time_us(device.name, name, str(Precision.parse(
-                        keys[i])), phase, batch_size, key)
-                    if found is not None:
-                        times[i], sources[i] = found, table.source
-                        break
+        busy = np.flatnonzero((flops > 0) | (nbytes > 0))
+        for i, (us, source) in measured_op_times(self.profiles, work, device.name, keys,
+                                                 phase=phase, batch_size=batch_size,
+                                                 ops=busy).items():
+            times[i], sources[i] = us, source
         return times, sources
 
     def op_host_times_us(self, work: OpWork, device: DeviceSpec, *, batch_size: int, phase: str,
@@ -248,45 +178,9 @@ class CostModel:
         device runs it asynchronously), from the first profile with host times there
         (:meth:`~qsync_lab.costs.ProfileTable.op_host_us`: the op's row, else the median of
         its kind, else of its precision and phase); NaN where no profile has one: no host
-        term (the CPU's ops are the host's work; profiles written before ``host_us``).
-
-        Example::
-
-            >>> import torch, torch.nn as nn
-            >>> from qsync_lab.graph import trace_graph
-            >>> from qsync_lab.costs import op_work
-            >>> work = op_work(trace_graph(nn.Linear(8, 8), torch.randn(4, 8)))
-            >>> h100 = load_catalog().device("H100-SXM5-80GB")
-            >>> CostModel().op_host_times_us(work, h100, batch_size=4, phase="forward",
-            ...                              plan_precisions=["fp32"]).tolist()
-            [nan]
-        """
-        host = np.full(len(work), np.nan)
-        tables = [t for t in self.profiles if any(k[0] == device.name for k in t.host_by_kind)]
-        for i, name in enumerate(work.names if tables else ()):
-            key, plan = shape_key(work, i, batch_size), str(Precision.parse(plan_precisions[i]))
-            for table in tables:
-                found = table.op_host_us(device.name, name, plan, phase, batch_size, key)
-                if found is not None:
-                    host[i] = found
-                    break
-        return host
-
-    def _emulated_times_us(self, work: OpWork, keys: Sequence["Precision | str"],
-                           device: DeviceSpec, batch_size: int, phase: str) -> np.ndarray:
-        """What a GPU's emulation of each op costs (:func:`~qsync_lab.policy.runs_natively`
-        is False): the fp32 work, plus encoding its operands to the plan's precision."""
-        fp32 = [Precision.FP32] * len(work)
-        flops, nbytes = phase_work(work, fp32, phase, batch_size=batch_size)
-        roofline = self.roofline_for(device)
-        times = roofline.times_us(flops, nbytes, work.kinds, device, fp32)
-        operands = (work.act_read_bytes * batch_scales(work, batch_size)
-                    + work.weight_read_bytes) / 4
-        for precision in set(map(Precision.parse, keys)) - {Precision.FP32}:
-            mask = np.array([Precision.parse(k) is precision for k in keys])
-            encode, _ = self.cast_times_us(operands[mask], Precision.FP32, precision, device)
-            times[mask] += encode
-        return times
+        term (the CPU's ops are the host's work; profiles written before ``host_us``)."""
+        return measured_host_times(self.profiles, work, device.name, plan_precisions,
+                                   phase=phase, batch_size=batch_size)
 
     def op_time_us(self, work: OpWork, op: str, precision: "Precision | str",
                    device: DeviceSpec, *, batch_size: int, phase: str = "forward") -> Cost:
@@ -318,147 +212,43 @@ class CostModel:
                       device: DeviceSpec) -> tuple[np.ndarray, str]:
         """:meth:`cast_time_us` for many tensors of one (src, dst) pair at once."""
         src, dst = Precision.parse(src), Precision.parse(dst)
-        fit = self.cast_fits.get((device.name, src, dst))
-        if fit is not None:
-            return fit.time_us(numel), fit.source
-        roofline = self.roofline_for(device)
-        nbytes = numel * (src.bits + dst.bits) / 8
-        times = roofline.times_us(np.zeros(len(numel)), nbytes, [_CAST_KIND] * len(numel),
-                                  device, [Precision.FP32] * len(numel))
-        return times, roofline.source
+        return cast_times_us(numel, src, dst, device, self.cast_fits.get((device.name, src, dst)),
+                             self.roofline_for(device))
 
     def allreduce_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
-        """Ring allreduce of ``nbytes`` over ``ranks`` ranks, limited by the slowest link.
-
-        Example::
-
-            >>> link = load_catalog().link("eth_100g")
-            >>> CostModel().allreduce_time_us(100e6, 2, [link])   # 100 MB at 12.5 GB/s + 2 x 20 us
-            Cost(us=8040.0, source='alpha-beta:eth_100g')
-        """
-        if ranks == 1:
-            return Cost(0.0, "single rank")
-        links, source = self._links(links)
-        return Cost(ring_allreduce_us(nbytes, ranks, links), source)
+        """Ring allreduce of ``nbytes`` over ``ranks`` ranks, limited by the slowest link
+        (:func:`~qsync_lab.costs.collectives.ring_cost`)."""
+        return ring_cost(ring_allreduce_us, nbytes, ranks, links, self.link_fits)
 
     def allgather_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
-        """Ring all-gather of ``nbytes`` from every rank, limited by the slowest link.
+        """Ring all-gather of ``nbytes`` from every rank, limited by the slowest link
+        (:func:`~qsync_lab.costs.collectives.ring_cost`)."""
+        return ring_cost(ring_allgather_us, nbytes, ranks, links, self.link_fits)
 
-        Example::
-
-            >>> link = load_catalog().link("eth_100g")
-            >>> CostModel().allgather_time_us(25e6, 2, [link])   # 2 ms + 20 us
-            Cost(us=2020.0, source='alpha-beta:eth_100g')
-        """
-        if ranks == 1:
-            return Cost(0.0, "single rank")
-        links, source = self._links(links)
-        return Cost(ring_allgather_us(nbytes, ranks, links), source)
+    def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
+        """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the
+        slowest of ``links``, measured where the profile has it
+        (:func:`~qsync_lab.costs.collectives.broadcast_cost`)."""
+        return broadcast_cost(nbytes, ranks, links, self.link_fits)
 
     def compression_time_us(self, spec: str, step: str, numel: float, bytes_per_element: float,
                             device: DeviceSpec) -> Cost:
         """One gradient compressor's ``step`` ("encode", or "decode" of one rank's payload)
         over ``numel`` elements on ``device``: a fitted line where the profiles measured this
         spec (its cost label, e.g. "global_qsgd:8"), else the roofline of
-        ``bytes_per_element`` read and written, plus a launch.
-
-        Example::
-
-            >>> t4 = load_catalog().device("T4")
-            >>> CostModel().compression_time_us("cgx:4", "encode", 32e6, 8.5, t4)
-            Cost(us=1067.5, source='roofline')
-        """
-        fit = self.compress_fits.get((device.name, spec, step))
-        if fit is not None:
-            return Cost(float(fit.time_us(numel)), fit.source)
-        roofline = self.roofline_for(device)
-        times = roofline.times_us(np.zeros(1), np.array([numel * bytes_per_element]),
-                                  [_CAST_KIND], device, [Precision.FP32])
-        return Cost(float(times[0]), roofline.source)
+        ``bytes_per_element`` read and written, plus a launch
+        (:func:`~qsync_lab.costs.memory_bound.compression_cost`)."""
+        return compression_cost(numel, bytes_per_element, device,
+                                self.compress_fits.get((device.name, spec, step)),
+                                self.roofline_for(device))
 
     def compression_in_step_us(self, spec: str, numel: float, device: DeviceSpec) -> Cost:
         """What one compressed group call of ``numel`` elements adds to a real DDP step
         beyond the composed estimate (the profile's ``in_step`` line for ``spec``, fitted on
-        calibration steps; may be negative), or 0 where nothing was measured.
-
-        Example::
-
-            >>> CostModel().compression_in_step_us("cgx:4", 1e6, load_catalog().device("cpu"))
-            Cost(us=0.0, source='not measured')
-        """
-        fit = self.compress_fits.get((device.name, spec, "in_step"))
-        if fit is None:
-            return Cost(0.0, "not measured")
-        return Cost(float(fit.a_us_per_element * numel + fit.b_us), fit.source)
-
-    def broadcast_time_us(self, nbytes: float, ranks: int, links: Sequence[LinkSpec]) -> Cost:
-        """Broadcast of ``nbytes`` from one rank to the others (DDP's buffers), over the
-        slowest of ``links``: a measured DDP buffer broadcast where the profile has one for
-        each link (``<link>-ddp-broadcast``, :func:`qsync_lab.profile.fit_buffer_broadcast`),
-        else measured link fits in place of catalog links, as for allreduces.
-
-        Example::
-
-            >>> link = load_catalog().link("eth_100g")
-            >>> CostModel().broadcast_time_us(1.25e6, 2, [link])   # 20 us + 1.25 MB at 12.5 GB/s
-            Cost(us=120.0, source='alpha-beta:eth_100g')
-        """
-        fitted = [self.link_fits.get(f"{link.name}{BROADCAST_SUFFIX}") for link in links]
-        if links and all(fitted):  # DDP's buffer broadcast measured on these links
-            slowest = slowest_link(fitted)
-            return Cost(broadcast_us(nbytes, ranks, fitted),
-                        f"alpha-beta:{slowest.name} ({slowest.source})")
-        links, source = self._links(links)
-        return Cost(broadcast_us(nbytes, ranks, links), source)
-
-    def _links(self, links: Sequence[LinkSpec]) -> tuple[list[LinkSpec], str]:
-        """``links`` with measured fits in place of catalog links, and the source label of
-        a collective over them (the slowest link, and its fit when it was measured)."""
-        links = [self.link_fits.get(link.name, link) for link in links]
-        slowest = slowest_link(links)
-        fitted = slowest.name in self.link_fits
-        return links, f"alpha-beta:{slowest.name}" + (f" ({slowest.source})" if fitted else "")
+        calibration steps; may be negative), or 0 where nothing was measured."""
+        return in_step_cost(numel, self.compress_fits.get((device.name, spec, "in_step")))
 
     def optimizer_time_us(self, param_bytes: float, optimizer: str, device: DeviceSpec) -> Cost:
-        """One optimizer step over ``param_bytes`` of fp32 parameters (memory-bound: the
-        runtime's non-finite check reads the gradients, then the step reads parameters,
-        gradients and state and writes parameters and state).
-
-        Example::
-
-            >>> v100 = load_catalog().device("V100-SXM2-32GB")
-            >>> cost = CostModel().optimizer_time_us(440e6, "adam", v100)
-            >>> round(cost.us, 1), cost.source   # 8 x 440 MB at 720 GB/s, plus a launch
-            (4893.9, 'roofline')
-        """
-        states = optimizer_state_count(optimizer)
-        roofline = self.roofline_for(device)
-        traffic = (4 + 2 * states) * param_bytes
-        times = roofline.times_us(np.zeros(1), np.array([float(traffic)]), [_OPTIMIZER_KIND],
-                                  device, [Precision.FP32])
-        return Cost(float(times[0]), roofline.source)
-
-
-def _metadata_number(table: ProfileTable, key: str) -> float:
-    """The leading number of a ``key: <number>; ...`` metadata line."""
-    text = table.metadata[key].split(";", 1)[0].strip()
-    try:
-        return float(text)
-    except ValueError:
-        raise QSyncError(f"{table.source}: metadata {key!r} must start with a number, "
-                         f"got {table.metadata[key]!r}") from None
-
-
-def _emulated_on_gpu(work: OpWork, precisions: Sequence["Precision | str"],
-                     device: DeviceSpec) -> np.ndarray:
-    """Per op, whether ``device`` (a GPU) emulates it in its plan precision."""
-    if device.emulated:
-        return np.zeros(len(work), bool)
-    native = {}
-    for kind, precision in zip(work.kinds, precisions):
-        pair = (kind, Precision.parse(precision))
-        if pair not in native:
-            native[pair] = (pair[1] is Precision.FP32 or pair[0] not in PLANNABLE_KINDS
-                            or runs_natively(*pair, device))
-    return np.array([not native[(k, Precision.parse(p))]
-                     for k, p in zip(work.kinds, precisions)], bool)
+        """One optimizer step over ``param_bytes`` of fp32 parameters, memory-bound
+        (:func:`~qsync_lab.costs.memory_bound.optimizer_cost`)."""
+        return optimizer_cost(param_bytes, optimizer, device, self.roofline_for(device))

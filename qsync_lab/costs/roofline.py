@@ -115,6 +115,20 @@ class Roofline:
         busy = (flops > 0) | (nbytes > 0)
         return np.where(busy, np.maximum(work_us, floor_us) + self.launch_us, 0.0)
 
+    def traffic_us(self, nbytes: np.ndarray, kind: str, device: DeviceSpec) -> np.ndarray:
+        """Roofline time of kernels of ``kind`` that only move ``nbytes`` each (casts,
+        compressors, optimizer steps): the bytes at the memory bandwidth, plus a launch.
+
+        Example::
+
+            >>> from qsync_lab.devices import load_catalog
+            >>> t4 = load_catalog().device("T4")   # 192 MB at 320 GB/s x 0.8, plus 5 us
+            >>> default_roofline().traffic_us(np.array([192e6]), "cast", t4).tolist()
+            [755.0]
+        """
+        return self.times_us(np.zeros(len(nbytes)), nbytes, [kind] * len(nbytes), device,
+                             [Precision.FP32] * len(nbytes))
+
     def floored(self, flops: np.ndarray, nbytes: np.ndarray, kinds: Sequence[str],
                 device: DeviceSpec, precisions: Sequence["Precision | str"]) -> np.ndarray:
         """Per op, whether its floor (a measured least time, ``floor_us``) and not its
