@@ -106,12 +106,7 @@ class Plan:
         name the zoo model so that ``qsync-lab run`` can build it. ``constraints``: what the
         plan was made under (recorded with the catalog's names of the device kinds).
         """
-        names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
-        unknown = sorted(set(names) - set(cluster.device_kinds))
-        if unknown:
-            raise QSyncError(f"the plan has device kind {unknown[0]!r}, which cluster "
-                             f"{cluster.name!r} does not have ({', '.join(cluster.device_kinds)})"
-                             "; remove it or fix the name")
+        names = _by_catalog_name(precisions, cluster)
         plan = cls(
             model_fingerprint=graph.fingerprint(),
             cluster_definition=frozen_data(cluster.definition),
@@ -314,3 +309,14 @@ def _check_cluster(plan: Plan, cluster: Cluster) -> None:
 def _compression_data(spec: "CompressionSettings | str | Mapping | None") -> Mapping[str, Any]:
     """``spec`` parsed and written back as read-only data (one form for every spelling)."""
     return frozen_data(CompressionSettings.parse(spec).to_dict())
+
+
+def _by_catalog_name(precisions: Mapping, cluster: Cluster) -> dict:
+    """``precisions`` keyed by the catalog names of the cluster's device kinds."""
+    names = {cluster.catalog.device(kind).name: ops for kind, ops in precisions.items()}
+    unknown = sorted(set(names) - set(cluster.device_kinds))
+    if unknown:
+        raise QSyncError(f"the plan has device kind {unknown[0]!r}, which cluster "
+                         f"{cluster.name!r} does not have ({', '.join(cluster.device_kinds)})"
+                         "; remove it or fix the name")
+    return names
