@@ -17,6 +17,8 @@ from qsync_lab.quant import apply_plan_, describe_precisions
 
 #: the zoo but its large models (the same layers as their small siblings)
 ZOO = ["bert_mini", "digits_cnn", "digits_mlp", "resnet18"]
+#: families traced with module hooks too (as models torch.fx cannot trace are)
+HOOK_TRACED = ["gpt_decoder", "mha_encoder", "vit", "depthwise_cnn"]
 LIBRARY = ["gpt2_decoder", "bert_encoder", "t5_encoder_decoder", "vit_classifier",
            "swin_classifier", "resnet_classifier"]
 
@@ -34,14 +36,15 @@ def _case(source: str, name: str):
     return model, (inputs, target), logits_loss
 
 
-@pytest.mark.parametrize("source, name", [("zoo", n) for n in ZOO]
-                         + [("family", n) for n in sorted(FAMILIES)]
-                         + [("library", n) for n in LIBRARY])
-def test_tracer_indicator_and_apply_name_every_op_alike(source, name):
+@pytest.mark.parametrize("source, name, method", [("zoo", n, "auto") for n in ZOO]
+                         + [("family", n, "auto") for n in sorted(FAMILIES)]
+                         + [("family", n, "hooks") for n in HOOK_TRACED]
+                         + [("library", n, "auto") for n in LIBRARY])
+def test_tracer_indicator_and_apply_name_every_op_alike(source, name, method):
     model, (inputs, target), loss_fn = _case(source, name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TracingFallbackWarning)
-        graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+        graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn, method=method)
     ops = graph.ops
     names = set(ops.index[ops["kind"].isin(PLANNABLE_KINDS) & (ops["plan_refusal"] == "")])
     assert names
