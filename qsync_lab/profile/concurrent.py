@@ -21,6 +21,7 @@ import multiprocessing
 import queue
 import statistics
 import tempfile
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import pandas as pd
 from torch import nn
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.graph import TracingFallbackWarning
 from qsync_lab.precision import Precision
 
 __all__ = ["median_over_processes", "profile_ops_concurrently"]
@@ -144,6 +146,7 @@ def _worker(index, model, inputs, target, loss_fn, precisions, threads, repeats,
     from qsync_lab.profile.overhead import time_ddp_training_steps, time_training_step
     from qsync_lab.profile.timing import intra_op_threads
 
+    warnings.simplefilter("ignore", TracingFallbackWarning)  # the parent's to give, once
     try:
         with intra_op_threads(threads):
             barrier.wait()

@@ -6,8 +6,11 @@ trains, rank 0 times its ops inside training steps
 (:func:`~qsync_lab.profile.profile_ops_concurrently`, method ``in_step``) in as many
 spawned processes at once as the run has ranks (sharing the cores and the memory
 bandwidth as the ranks will), per distinct batch size, while the ranks wait; the
-processes keep the ranks themselves clean of the profiling's state. Rank 0 writes the
-median rows to the cache, with the model's own step overheads: the same processes time
+processes keep the ranks themselves clean of the profiling's state. A model torch.fx
+cannot trace (a Hugging Face model) is timed from its hook trace, with one
+:class:`~qsync_lab.graph.TracingFallbackWarning`
+(:func:`~qsync_lab.profile.in_step.profiled_graph`). Rank 0 writes the median rows to
+the cache, with the model's own step overheads: the same processes time
 its whole training step (the run's optimizer included) under DDP among themselves, as the
 ranks will take it, in fp32 and under a uniform plan of each precision of the run, and
 the overheads are calibrated so that the simulator predicts those steps
@@ -39,9 +42,9 @@ from tqdm.auto import tqdm
 
 from qsync_lab.costs import write_profile
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph import trace_graph
 from qsync_lab.optimizers import DEFAULT_OPTIMIZER
 from qsync_lab.profile.concurrent import profile_ops_concurrently
+from qsync_lab.profile.in_step import profiled_graph
 from qsync_lab.profile.overhead import ddp_calibrated_metadata
 from qsync_lab.profile.timing import run_metadata
 
@@ -78,8 +81,8 @@ def ranks_profile_model(model: nn.Module, batches: Mapping[int, tuple[tuple, tor
     size of ``batch_sizes``, an ``(inputs, target)`` batch (read on rank 0 only).
 
     Raises:
-        QSyncError: the model cannot be profiled (torch.fx cannot trace it, or it does not
-            pickle into the profiling processes), on every rank.
+        QSyncError: the model cannot be profiled (it does not pickle into the profiling
+            processes, or its ops cannot be timed), on every rank.
     """
     threads = torch.get_num_threads()
     path = cache_dir() / "profiles" / (
@@ -113,8 +116,8 @@ def _measure(path: Path, model, batches, loss_fn, processes: int, threads: int,
                                              unit="batch size")]
         inputs, target = next(iter(batches.values()))
         overheads = ddp_calibrated_metadata(
-            frames, trace_graph(model, inputs, target=target, loss_fn=loss_fn), optimizer)
-    except Exception as err:  # fx cannot trace it, or it does not pickle
+            frames, profiled_graph(model, inputs, target, loss_fn), optimizer)
+    except Exception as err:  # it does not pickle, or its ops cannot be timed
         text = str(err).strip().splitlines()
         return f"{type(err).__name__}: {text[0] if text else ''}"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -74,12 +74,13 @@ from tqdm.auto import tqdm
 
 from qsync_lab.costs import PROFILE_COLUMNS, op_work, phase_work, shape_key
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph import symbolic_trace, trace_graph
+from qsync_lab.graph import symbolic_trace
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.policy import DEFAULT_BACKWARD, OpPrecision
 from qsync_lab.precision import Precision
 from qsync_lab.profile.device import profile_device, profile_device_name
-from qsync_lab.profile.in_step import InStepTimes, loss_root_on, time_ops_in_steps
+from qsync_lab.profile.in_step import (InStepTimes, loss_root_on, profiled_graph,
+                                       time_ops_in_steps)
 from qsync_lab.profile.timing import median_time_us
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 
@@ -134,9 +135,10 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
         repeats, warmup: timed and untimed calls per measurement (``in_step``: training
             steps per precision).
         method: ``in_step`` (inside training steps of the whole model,
-            :mod:`qsync_lab.profile.in_step`; an op's backward time is split between its
-            two backward phases in proportion to their FLOPs) or ``isolated`` (each op
-            alone, above).
+            :mod:`qsync_lab.profile.in_step`, from the hook trace where torch.fx cannot
+            trace the model; an op's backward time is split between its two backward
+            phases in proportion to their FLOPs) or ``isolated`` (each op alone, above;
+            torch.fx only).
         progress: show a tqdm bar over the ops.
 
     Returns:
@@ -148,16 +150,19 @@ def profile_ops(model: nn.Module, example_inputs, target: torch.Tensor,
     device = profile_device(device)
     device_name = profile_device_name(device)
     precisions = [Precision.parse(p) for p in precisions]
-    graph = trace_graph(model, example_inputs, target=target, loss_fn=loss_fn, method="fx")
+    graph = profiled_graph(model, example_inputs, target, loss_fn)
     work = op_work(graph)
     batch = work.traced_batch_size
     phase_of = _PhaseWork(work)
     if method == "isolated":
+        if graph.traced_with != "fx":
+            raise QSyncError(f"torch.fx cannot trace {type(model).__name__}, and the isolated "
+                             "method times ops captured from its fx trace; use method='in_step'")
         times = _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmup,
                                 device)
     else:
         times = _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats,
-                               warmup, device)
+                               warmup, device, graph.traced_with)
     rows = []
     bar = tqdm(total=len(work) * len(precisions), desc="profile ops", disable=not progress)
     for p in precisions:
@@ -199,20 +204,22 @@ def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmu
     return times
 
 
-def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, warmup, device):
+def _in_step_times(model, example_inputs, target, loss_fn, phase_of, repeats, warmup, device,
+                   method):
     """``times(i, precision, phases) -> {phase: (µs, host µs)}`` measured inside training
-    steps on ``device``, one run of steps per precision; the backward split by the phases'
-    FLOPs (host µs: NaN off CUDA)."""
+    steps on ``device`` (traced by ``method``, as the graph was), one run of steps per
+    precision; the backward split by the phases' FLOPs (host µs: NaN off CUDA)."""
     runs: dict[Precision, InStepTimes] = {}
     n = len(phase_of.work)
 
     def times(i: int, p: Precision, phases: list[str]) -> dict[str, tuple[float, float]]:
         if p not in runs:
             runs[p] = time_ops_in_steps(model, example_inputs, target, loss_fn, p,
-                                        steps=repeats, warmup=warmup, device=device)
-            if len(runs[p].effective) != n:
-                raise QSyncError(f"a training step ran {len(runs[p].effective)} op calls but "
-                                 f"the graph has {n} ops")
+                                        steps=repeats, warmup=warmup, device=device,
+                                        method=method)
+            if runs[p].ops != list(phase_of.work.names):
+                raise QSyncError(f"a training step ran {len(runs[p].ops)} op calls but the "
+                                 f"graph has {n} ops, or other ones")
         run = runs[p]
         out = ({"forward": (float(run.forward_us[i]), float(run.forward_host_us[i]))}
                if "forward" in phases else {})
