@@ -242,7 +242,7 @@ def fit_compressed_steps(frame: pd.DataFrame, costs, cluster, *,
     encode sharing the cores with the backward, gloo's speed on 8- and 16-bit payloads.
     """
     from qsync_lab.compress import CompressionSettings, CompressionSpec
-    from qsync_lab.compress.hook import bucket_groups
+    from qsync_lab.compress.spec import bucket_groups
     from qsync_lab.costs import PROFILE_COLUMNS
     from qsync_lab.simulate import prepare_graph
     from qsync_lab.simulate.compression import bucket_comm
