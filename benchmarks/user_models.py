@@ -15,7 +15,9 @@ roofline for the model's ops: what a user model got before).
 
 Targets (issue #19): median |step error| <= 10 %, max <= 25 %.
 
-Run: ``.venv/bin/python benchmarks/user_models.py [--steps N] [--out FILE]``.
+Run: ``.venv/bin/python benchmarks/user_models.py [--steps N] [--out FILE] [--models ...]
+[--plans ...]``; ``--models`` may name library models (:mod:`qsync_lab.models.library`,
+the ``models`` extra), which only the hook tracer traces.
 """
 
 import argparse
@@ -33,7 +35,8 @@ from tqdm.auto import tqdm
 from qsync_lab.cluster import load_cluster
 from qsync_lab.costs import load_cost_model
 from qsync_lab.graph import trace_graph
-from qsync_lab.models.families import FAMILIES, family_batch, family_model
+from qsync_lab.models.families import FAMILIES, family, family_batch, family_model
+from qsync_lab.models.library import LIBRARY
 from qsync_lab.plan import Plan
 from qsync_lab.profile.overhead import uniform_op_precisions
 from qsync_lab.resources import data_file
@@ -45,6 +48,9 @@ CLUSTER, THREADS = "local-cpu", 1
 MEDIAN_TARGET_PCT, MAX_TARGET_PCT = 10.0, 25.0
 
 
+PLANS = ("fp32", "mixed", "bf16")
+
+
 def plans(graph) -> dict[str, dict[str, str]]:
     """``fp32``, ``mixed`` (every other op a plan may set in bf16) and ``bf16`` (all of
     them) for one model's graph."""
@@ -52,21 +58,21 @@ def plans(graph) -> dict[str, dict[str, str]]:
     return {"fp32": {}, "mixed": dict(list(bf16.items())[::2]), "bf16": bf16}
 
 
-def run(family: str, plan: Plan, steps: int, folder: Path, cache: Path) -> dict:
+def run(name: str, plan: Plan, steps: int, folder: Path, cache: Path) -> dict:
     """One 2-rank run of ``benchmarks/train_family.py``; its summary."""
-    plan_path, run_dir = folder / "plan.json", folder / f"run-{family}"
+    plan_path, run_dir = folder / "plan.json", folder / f"run-{name}"
     plan.save(plan_path)
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "NUMBA_NUM_THREADS": str(THREADS),
            "QSYNC_LAB_CACHE": str(cache)}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", str(ROOT / "benchmarks/train_family.py"),
-                           "--family", family, "--plan", str(plan_path),
+                           "--family", name, "--plan", str(plan_path),
                            "--run-dir", str(run_dir), "--steps", str(steps)],
                           env=env, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
-        log = Path(tempfile.gettempdir()) / f"user_models.{family}.log"
+        log = Path(tempfile.gettempdir()) / f"user_models.{name}.log"
         log.write_text(done.stderr)
-        raise SystemExit(f"{family}: the run failed; its output is in {log}")
+        raise SystemExit(f"{name}: the run failed; its output is in {log}")
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -74,6 +80,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument("--models", nargs="+", default=list(FAMILIES),
+                        choices=[*FAMILIES, *LIBRARY],
+                        help="families and library models (the models extra) to train")
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
     args = parser.parse_args()
     cluster = load_cluster(CLUSTER)
     batch = cluster.ranks[0].batch_size
@@ -82,16 +92,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache"
-        cases = [(f, p) for f in FAMILIES for p in ("fp32", "mixed", "bf16")]
-        for family, plan_name in tqdm(cases, desc="runs"):
-            inputs, target = family_batch(family, batch)
-            graph = trace_graph(family_model(family), inputs, target=target,
-                                loss_fn=FAMILIES[family].loss_fn())
+        cases = [(f, p) for f in args.models for p in args.plans]
+        for name, plan_name in tqdm(cases, desc="runs"):
+            inputs, target = family_batch(name, batch)
+            graph = trace_graph(family_model(name), inputs, target=target,
+                                loss_fn=family(name).loss_fn())
             plan = Plan.build(graph, cluster, {"cpu": plans(graph)[plan_name]},
                               strategy="benchmark")
-            summary = run(family, plan, args.steps, Path(folder), cache)
+            summary = run(name, plan, args.steps, Path(folder), cache)
             before = predict_plan(plan, graph, shipped, optimizer=summary["optimizer"])
-            rows.append({"model": family, "plan": plan_name,
+            rows.append({"model": name, "plan": plan_name,
                          "traced_with": graph.traced_with,
                          "step_ms": summary["measured_step_ms"],
                          "pred_ms": summary["predicted_step_ms"],
@@ -114,9 +124,9 @@ def main() -> None:
         table.to_string(index=False, float_format=lambda v: f"{v:.2f}"), "",
         f"median |step error| {median:.1f} % (target <= {MEDIAN_TARGET_PCT:g} %), "
         f"max {largest:.1f} % (target <= {MAX_TARGET_PCT:g} %): {verdict}",
-        f"of which mixed plans (predicted between the calibrated fp32 and bf16 steps): "
-        f"median |step error| {statistics.median(mixed.abs()):.1f} %, max "
-        f"{mixed.abs().max():.1f} %",
+        *([f"of which mixed plans (predicted between the calibrated fp32 and bf16 steps): "
+           f"median |step error| {statistics.median(mixed.abs()):.1f} %, max "
+           f"{mixed.abs().max():.1f} %"] if len(mixed) else []),
         f"median |step error| from the shipped profile alone: "
         f"{statistics.median(table['shipped_only_err_%'].abs()):.1f} %",
         f"median |peak memory error| {statistics.median(table['mem_err_%'].abs()):.1f} %"]

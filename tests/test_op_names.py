@@ -11,7 +11,8 @@ import torch
 from qsync_lab.graph import TracingFallbackWarning, trace_graph
 from qsync_lab.indicator.statistics import collect_statistics
 from qsync_lab.models import example_batch, get_model, model_spec
-from qsync_lab.models.families import FAMILIES, family_batch, family_model
+from qsync_lab.models.families import FAMILIES, family, family_batch, family_model
+from qsync_lab.models.library import LIBRARY
 from qsync_lab.policy import PLANNABLE_KINDS
 from qsync_lab.quant import apply_plan_, describe_precisions
 
@@ -19,27 +20,21 @@ from qsync_lab.quant import apply_plan_, describe_precisions
 ZOO = ["bert_mini", "digits_cnn", "digits_mlp", "resnet18"]
 #: families traced with module hooks too (as models torch.fx cannot trace are)
 HOOK_TRACED = ["gpt_decoder", "mha_encoder", "vit", "depthwise_cnn"]
-LIBRARY = ["gpt2_decoder", "bert_encoder", "t5_encoder_decoder", "vit_classifier",
-           "swin_classifier", "resnet_classifier"]
 
 
 def _case(source: str, name: str):
     torch.manual_seed(0)
     if source == "zoo":
         return get_model(name), example_batch(name, 2), model_spec(name).loss_fn()
-    if source == "family":
-        return family_model(name), family_batch(name, 2), FAMILIES[name].loss_fn()
-    pytest.importorskip("transformers")
-    from tests.models.library import LIBRARY_MODELS, logits_loss
-
-    model, inputs, target = LIBRARY_MODELS[name]()
-    return model, (inputs, target), logits_loss
+    if source == "library":
+        pytest.importorskip("transformers")
+    return family_model(name), family_batch(name, 2), family(name).loss_fn()
 
 
 @pytest.mark.parametrize("source, name, method", [("zoo", n, "auto") for n in ZOO]
                          + [("family", n, "auto") for n in sorted(FAMILIES)]
                          + [("family", n, "hooks") for n in HOOK_TRACED]
-                         + [("library", n, "auto") for n in LIBRARY])
+                         + [("library", n, "auto") for n in sorted(LIBRARY)])
 def test_tracer_indicator_and_apply_name_every_op_alike(source, name, method):
     model, (inputs, target), loss_fn = _case(source, name)
     with warnings.catch_warnings():

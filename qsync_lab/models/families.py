@@ -15,16 +15,15 @@ Example::
     torch.Size([2, 32, 256])
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.models.family import Family
 
-__all__ = ["FAMILIES", "Family", "SequenceCrossEntropy", "family_batch", "family_model"]
+__all__ = ["FAMILIES", "Family", "SequenceCrossEntropy", "family", "family_batch",
+           "family_model"]
 
 _VOCAB, _SEQ, _TAGS = 256, 32, 12
 
@@ -181,15 +180,6 @@ class LSTMTagger(nn.Module):
         return self.tag(self.lstm(self.embed(ids))[0])
 
 
-@dataclass(frozen=True)
-class Family:
-    """A model family: how to build it, a batch for it and its loss."""
-
-    build: Callable[[], nn.Module]
-    batch: Callable[[int, torch.Generator], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
-    loss_fn: Callable[[], nn.Module]
-
-
 def _images(size: int, classes: int):
     def batch(n: int, gen: torch.Generator):
         return ((torch.randn(n, 3, size, size, generator=gen),),
@@ -220,17 +210,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _family(name: str) -> Family:
-    if name not in FAMILIES:
-        raise QSyncError(f"unknown model family {name!r}; choose from: {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+def family(name: str) -> Family:
+    """The :class:`Family` entry of ``name``: a family here, or a library model
+    (:mod:`qsync_lab.models.library`)."""
+    from qsync_lab.models.library import LIBRARY
+
+    if name in FAMILIES or name in LIBRARY:
+        return FAMILIES.get(name) or LIBRARY[name]
+    raise QSyncError(f"unknown model family {name!r}; choose from: "
+                     f"{', '.join([*FAMILIES, *LIBRARY])}")
 
 
 def family_model(name: str) -> nn.Module:
     """A freshly initialised model of family ``name`` (seed with ``torch.manual_seed``)."""
-    return _family(name).build()
+    return family(name).build()
 
 
 def family_batch(name: str, batch_size: int, *, seed: int = 0):
     """A random ``(inputs, target)`` batch for :func:`family_model`, the same for a seed."""
-    return _family(name).batch(batch_size, torch.Generator().manual_seed(seed))
+    return family(name).batch(batch_size, torch.Generator().manual_seed(seed))

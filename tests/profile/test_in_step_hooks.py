@@ -73,10 +73,12 @@ def test_the_hook_timer_runs_each_op_in_the_precision_the_fx_timer_does():
 
 def test_gpt2_has_every_op_timed():
     pytest.importorskip("transformers")
-    from tests.models.library import gpt2_decoder, logits_loss
+    from qsync_lab.models.families import family_batch, family_model
+    from qsync_lab.models.library import LogitsLoss
 
     torch.manual_seed(0)
-    model, batch, target = gpt2_decoder()
+    model, (batch, target) = family_model("gpt2_decoder"), family_batch("gpt2_decoder", 2)
+    logits_loss = LogitsLoss()
     graph = trace_graph(model, batch, target=target, loss_fn=logits_loss, method="hooks")
     t = time_ops_in_steps(model, batch, target, logits_loss, "fp32", steps=2, warmup=1,
                           method="hooks")
