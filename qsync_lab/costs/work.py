@@ -7,10 +7,11 @@ weight-gradient pass costs (:func:`phase_work`).
 
 Batch scaling (explicit, as every consumer relies on it):
 
-* The *traced batch size* is dim 0 of the first input of the graph's first op that
-  computes something (views and factories are skipped: BERT's first op is a ``narrow``
-  of the ``position_ids`` buffer, whose dim 0 is 1, not the batch). Pass
-  ``traced_batch_size`` to :func:`op_work` to override the inference.
+* The *traced batch size* is dim 0 of the model's first example input
+  (:attr:`OpGraph.batch_size <qsync_lab.graph.OpGraph>`); for a graph without it, dim 0 of
+  the first input of the graph's first op that computes something (views and factories
+  are skipped: BERT's first op is a ``narrow`` of the ``position_ids`` buffer, whose dim
+  0 is 1, not the batch). Pass ``traced_batch_size`` to :func:`op_work` to override it.
 * An op is *batched* when one of its input or output tensors has that size in dim 0, or
   when it reads a batched op's output (:func:`batch_sized`: a sequence model's loss reads
   ``(batch * tokens, vocabulary)`` logits). Its FLOPs and activation bytes (inputs,
@@ -150,6 +151,8 @@ def traced_batch_size(graph) -> int:
         ...                               torch.randn(5, 3, 4)))
         5
     """
+    if getattr(graph, "batch_size", None):
+        return graph.batch_size
     ops = graph.ops
     for kind, shapes in zip(ops["kind"], ops["input_shapes"]):
         if kind not in _SKIP_FOR_BATCH and shapes and len(shapes[0]) > 0:

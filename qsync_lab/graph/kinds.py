@@ -176,10 +176,13 @@ def module_record(name: str, module: nn.Module) -> OpRecord:
 
 def gather_kind(rec: OpRecord) -> str:
     """``"copy"`` for an indexing call with an integer or boolean index tensor (a gather, as
-    a relative-position-bias table is read: it copies), else the record's kind."""
+    a relative-position-bias table is read: it copies), else the record's kind. The indexed
+    tensor is the first input, or a parameter (then every input is an index); slicing an
+    integer tensor (BERT's ``position_ids[:, :n]``) stays a view."""
+    indices = rec.inputs if rec.params else rec.inputs[1:]
     if (rec.kind == "view" and op_name_of(rec.target) == "getitem"
             and any(not t.dtype.is_floating_point and not t.dtype.is_complex
-                    for t in rec.inputs)):
+                    for t in indices)):
         return "copy"
     return rec.kind
 

@@ -14,6 +14,7 @@ Example::
     2         linear        264      2
 """
 
+import dataclasses
 import functools
 import hashlib
 import keyword
@@ -68,6 +69,7 @@ class OpGraph:
             :meth:`saved_activation_bytes`).
         buffer_bytes: bytes of the model's buffers (BatchNorm statistics, position ids),
             which DDP broadcasts from rank 0 before every forward.
+        batch_size: dim 0 of the first example input (None: not known).
 
     The per-op ``saved_bytes`` column follows CUDA's kernels.
     """
@@ -78,6 +80,7 @@ class OpGraph:
     traced_with: str
     saved_bytes_by_device: dict[str, int]
     buffer_bytes: int = 0
+    batch_size: int | None = None
 
     def saved_activation_bytes(self, device_type: str = "cuda") -> int:
         """Bytes autograd keeps for backward in one training step on ``device_type``
@@ -156,6 +159,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
     if method not in ("auto", "fx", "hooks"):
         raise QSyncError(f"unknown tracing method {method!r}; choose auto, fx or hooks")
     inputs, keywords = _as_inputs(example_inputs)
+    batch_size = int(inputs[0].shape[0]) if inputs[0].dim() > 0 else None
     if (target is None) != (loss_fn is None):
         raise QSyncError("give both target and loss_fn to trace the loss, or neither")
     root = model
@@ -168,7 +172,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
         records, traced_with = _trace(root, inputs, method)
     if root is not model:
         records = [_strip_wrapper(rec, model) for rec in records]
-    return _build(records, model, traced_with)
+    return dataclasses.replace(_build(records, model, traced_with), batch_size=batch_size)
 
 
 def _trace(root: nn.Module, inputs: tuple, method: str) -> tuple[list[OpRecord], str]:

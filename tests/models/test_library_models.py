@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from qsync_lab import Study
+from qsync_lab.costs import op_work
 from qsync_lab.graph import TracingFallbackWarning, trace_graph
 from qsync_lab.models.families import family_batch, family_model
 from qsync_lab.models.library import LIBRARY, LogitsLoss
@@ -53,6 +54,14 @@ def test_at_least_95_percent_of_the_parameters_are_plannable(traced):
     assert sum(left.values()) <= 0.05 * total, left
     reasons = NOT_PLANNED.get(name, ())
     assert all(any(r in n for r in reasons) for n in left), left
+
+
+def test_the_batch_size_is_found_and_gathers_are_copies(traced):
+    name, _, _, _, graph = traced
+    assert op_work(graph).traced_batch_size == 2  # not a buffer's leading 1
+    gathers = graph.ops[graph.ops["target"].str.contains("getitem")
+                        & (graph.ops["kind"] == "copy")]
+    assert (len(gathers) > 0) == (name == "swin_classifier")  # the bias tables' reads
 
 
 def test_the_graphs_gemm_flops_are_torchs(traced):
