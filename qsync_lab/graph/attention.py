@@ -280,7 +280,7 @@ def _sources(query, key, value) -> tuple[tuple, tuple[int, int, int]]:
 
 def split_forward(module: nn.MultiheadAttention, query, key, value, key_padding_mask=None,
                   need_weights: bool = True, attn_mask=None, average_attn_weights: bool = True,
-                  is_causal: bool = False, *, linear=None):
+                  is_causal: bool = False, *, linear=None, call=None):
     """``module(query, key, value, ...)`` as three ops (see the module docstring).
 
     Args:
@@ -289,6 +289,9 @@ def split_forward(module: nn.MultiheadAttention, query, key, value, key_padding_
             :func:`mha_in_projection` (``F.linear``, one fx node when traced). The
             out-projection is ``module.out_proj`` called as a module, in whatever precision
             it has.
+        call: runs the in-projection (without ``linear``) and the core as
+            ``call(fn, *args)``, ``fn`` being :func:`mha_in_projection` or
+            :func:`mha_attention` (the in-step timer times them so); None calls them.
 
     Example::
 
@@ -300,19 +303,24 @@ def split_forward(module: nn.MultiheadAttention, query, key, value, key_padding_
     """
     sources, pattern = _sources(query, key, value)
     weights = projection_weights(module)
+    call = call or _call
     if linear is None:
-        projections = mha_in_projection(sources, pattern, weights, module.in_proj_bias,
-                                        module.batch_first)
+        projections = call(mha_in_projection, sources, pattern, weights, module.in_proj_bias,
+                           module.batch_first)
     else:
         projections = in_projection(sources, pattern, weights, module.in_proj_bias,
                                     module.batch_first, linear)
     dropout_p = module.dropout if module.training else 0.0
-    attended = mha_attention(projections, key_padding_mask, attn_mask, module.num_heads,
-                             dropout_p, need_weights, average_attn_weights, is_causal,
-                             module.batch_first)
+    attended = call(mha_attention, projections, key_padding_mask, attn_mask, module.num_heads,
+                    dropout_p, need_weights, average_attn_weights, is_causal,
+                    module.batch_first)
     if not need_weights:
         return module.out_proj(attended), None
     return module.out_proj(attended[0]), attended[1]
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def split_records(namer: OpNamer, fqn: str, module: nn.MultiheadAttention, args: tuple,

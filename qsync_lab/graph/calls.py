@@ -58,15 +58,19 @@ class ScopedCalls(TorchFunctionMode):
         """Handle the functional call ``name`` (``func(*args, **kwargs)`` by default)."""
         return func(*args, **kwargs)
 
+    def is_op_module(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one op, whose internal calls are not operators."""
+        return is_leaf_module(module)
+
     def enter_module(self, fqn: str, module: nn.Module) -> None:
         self.scope.append(fqn)
-        if is_leaf_module(module):
+        if self.is_op_module(module):
             self.leaf_depth += 1
 
     def exit_module(self, fqn: str, module: nn.Module, inputs: tuple, kwargs: dict,
                     output) -> None:
         self.scope.pop()
-        if is_leaf_module(module):
+        if self.is_op_module(module):
             self.leaf_depth -= 1
 
     def attach(self) -> None:

@@ -15,8 +15,10 @@ op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
    else the model run as is, its op modules timed from a first forward pre-hook to a last
    forward hook and its functional calls through a :class:`~qsync_lab.graph.ScopedCalls`
    mode, as the hook tracer records them (``method``; one
-   :class:`~qsync_lab.graph.TracingFallbackWarning` per model; an ``nn.MultiheadAttention``,
-   three ops in the graph, cannot be timed so). Either way the ops are named and ordered
+   :class:`~qsync_lab.graph.TracingFallbackWarning` per model; an ``nn.MultiheadAttention``
+   as its three ops, its in-projection and core timed as
+   :func:`~qsync_lab.graph.attention.split_forward` calls them, its ``out_proj`` as a
+   module). Either way the ops are named and ordered
    as :func:`qsync_lab.graph.trace_graph` traces them (:attr:`InStepTimes.ops`). Each
    autograd node an op creates (not ``AccumulateGrad``, whose hooks are DDP's and the
    framework's) gets a pre-hook and a hook that time it when the backward runs it. An
@@ -58,6 +60,7 @@ On a GPU the same call with ``device="cuda"`` times the native low-precision ker
 """
 
 import copy
+import functools
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -70,7 +73,7 @@ from torch import fx, nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import (OpGraph, ScopedCalls, TracingFallbackWarning, symbolic_trace,
                              trace_graph)
-from qsync_lab.graph.attention import part_name, splits
+from qsync_lab.graph.attention import mha_in_projection, part_name, split_forward, splits
 from qsync_lab.graph.fx_tracer import _scope
 from qsync_lab.graph.kinds import is_leaf_module
 from qsync_lab.graph.opgraph import _loss_root, _one_line, _strip_wrapper
@@ -203,7 +206,7 @@ def _runner(model: nn.Module, root: nn.Module, precision: Precision, device: tor
             _warn_hooks_once(model, err)
         else:
             return _TimedRun(gm, precision, device)
-    return _HookTimedRun(model, root, precision, device)
+    return _HookTimedRun(root, precision, device)
 
 
 def _graph_name(name: str, model: nn.Module) -> str:
@@ -379,8 +382,7 @@ class _HookTimedRun(ScopedCalls):
     that runs last (its precision's hooks inside), each functional call made outside op
     modules in :meth:`on_call`."""
 
-    def __init__(self, model: nn.Module, root: nn.Module, precision: Precision,
-                 device: torch.device) -> None:
+    def __init__(self, root: nn.Module, precision: Precision, device: torch.device) -> None:
         super().__init__(root)
         self.precision = precision
         self.functional = OpPrecision.parse(precision)
@@ -390,13 +392,13 @@ class _HookTimedRun(ScopedCalls):
         for fqn, module in root.named_modules():
             if module is root or not is_leaf_module(module):
                 continue
+            if splits(module):  # three ops: the two parts it calls, then its out_proj
+                module.forward = functools.partial(
+                    split_forward, module, call=functools.partial(self._attention_part, fqn))
+                continue
             taken = False
             if not any(fqn.startswith(f"{op}.") for op in ops):
                 ops.append(fqn)
-                if splits(module):
-                    raise QSyncError(f"cannot time {_graph_name(fqn, model)} (a multi-head "
-                                     "attention, three ops) from the hook trace; make the "
-                                     "model traceable by torch.fx")
                 taken = (precision is not Precision.FP32
                          and apply_op_precision_(module, precision, fqn))
             # after the precision's hooks: the first pre-hook and the last hook
@@ -417,6 +419,25 @@ class _HookTimedRun(ScopedCalls):
             out = low_precision_call(fn_name, args, kwargs, self.functional, (0, 1))
         else:
             out = func(*args, **kwargs)
+        self.spans.call_ends(begin, name, str(self.precision) if taken else "fp32", out)
+        return out
+
+    def is_op_module(self, module: nn.Module) -> bool:
+        return super().is_op_module(module) and not splits(module)
+
+    def _attention_part(self, fqn: str, fn, *args):
+        """Time the in-projection or the core of the attention module ``fqn``
+        (:func:`~qsync_lab.graph.attention.split_forward`'s ``call``)."""
+        taken = (fn is mha_in_projection and self.precision is not Precision.FP32
+                 and function_runs_in(fn.__name__, self.precision))
+        name = self.namer.module(part_name(fn, fqn))
+        begin = self.spans.begin()
+        self.leaf_depth += 1  # its torch calls are the op's, not ops
+        try:
+            out = (low_precision_call(fn.__name__, args, {}, self.functional, (0, 1)) if taken
+                   else fn(*args))
+        finally:
+            self.leaf_depth -= 1
         self.spans.call_ends(begin, name, str(self.precision) if taken else "fp32", out)
         return out
 

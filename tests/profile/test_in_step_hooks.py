@@ -71,6 +71,44 @@ def test_the_hook_timer_runs_each_op_in_the_precision_the_fx_timer_does():
     assert hooks.effective == fx.effective == ["bf16", "fp32", "fp32", "bf16", "bf16", "fp32"]
 
 
+class TwoAttentions(nn.Module):
+    """An ``nn.MultiheadAttention`` called twice (self-attention without weights, then
+    cross-attention with them), and one sequence first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.seq_first = nn.MultiheadAttention(8, 2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.attn(x, x, x, need_weights=False)[0]
+        h, weights = self.attn(h, x, x)
+        h = self.seq_first(h.transpose(0, 1), h.transpose(0, 1), h.transpose(0, 1))[0]
+        return self.head(h.mean(0) + weights.mean())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_multi_head_attention_is_timed_from_the_hook_trace_as_its_three_ops(precision):
+    torch.manual_seed(0)
+    x, target = torch.randn(4, 5, 8), torch.tensor([0, 1, 2, 0])
+    model, loss_fn = TwoAttentions(), nn.CrossEntropyLoss()
+    graph = trace_graph(model, x, target=target, loss_fn=loss_fn, method="hooks")
+    fx, hooks = (time_ops_in_steps(model, x, target, loss_fn, precision, steps=2, warmup=1,
+                                   method=method) for method in ("fx", "hooks"))
+    assert hooks.ops == list(graph.ops.index)
+    assert hooks.ops[:6] == ["attn.in_proj", "attn", "attn.out_proj", "attn.in_proj@1",
+                             "attn@1", "attn.out_proj@1"]
+    fx_effective = dict(zip(fx.ops, fx.effective))  # fx has getitem ops of its own
+    assert set(hooks.ops) < set(fx_effective)
+    assert hooks.effective == [fx_effective[op] for op in hooks.ops]
+    if precision == "bf16":
+        assert hooks.effective[:3] == ["bf16", "fp32", "bf16"]  # the core stays fp32
+    assert (hooks.forward_us > 0).all()
+    weighted = [i for i, op in enumerate(hooks.ops) if op.split("@")[0].endswith("_proj")]
+    assert len(weighted) == 6 and (hooks.backward_us[weighted] > 0).all()
+
+
 def test_gpt2_has_every_op_timed():
     pytest.importorskip("transformers")
     from qsync_lab.models.families import family_batch, family_model
