@@ -20,6 +20,7 @@ import hashlib
 import keyword
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,6 +47,21 @@ _MODEL_ATTR = "model"
 
 class TracingFallbackWarning(UserWarning):
     """torch.fx could not trace the model; the hook tracer was used instead."""
+
+
+#: the models this process has warned about (:func:`warn_hooks_fallback`)
+_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def warn_hooks_fallback(model: nn.Module, err: BaseException, stacklevel: int) -> None:
+    """A :class:`TracingFallbackWarning` that torch.fx cannot trace ``model`` (``err``), once
+    per model: its tracing, profiling and training warn no more."""
+    if model in _WARNED:
+        return
+    _WARNED.add(model)
+    warnings.warn(f"torch.fx cannot trace {type(model).__name__} ({_one_line(err)}); its ops "
+                  "are recorded and timed with module hooks instead", TracingFallbackWarning,
+                  stacklevel=stacklevel + 1)
 
 
 @dataclass(frozen=True)
@@ -143,7 +159,7 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
             ends in a ``loss`` op.
         loss_fn: a loss module (e.g. ``nn.CrossEntropyLoss()``).
         method: ``"auto"`` (torch.fx, falling back to hooks with a
-            :class:`TracingFallbackWarning`), ``"fx"`` or ``"hooks"``.
+            :class:`TracingFallbackWarning`, once per model), ``"fx"`` or ``"hooks"``.
 
     Example::
 
@@ -169,24 +185,24 @@ def trace_graph(model: nn.Module, example_inputs, *, target: torch.Tensor | None
     with _TRACE_LOCK, preserved_state(model), torch.no_grad():
         for module in model.modules():  # judged by running them, before fx patches them
             module_kind(module)
-        records, traced_with = _trace(root, inputs, method)
+        records, traced_with = _trace(model, root, inputs, method)
     if root is not model:
         records = [_strip_wrapper(rec, model) for rec in records]
     return dataclasses.replace(_build(records, model, traced_with), batch_size=batch_size)
 
 
-def _trace(root: nn.Module, inputs: tuple, method: str) -> tuple[list[OpRecord], str]:
+def _trace(model: nn.Module, root: nn.Module, inputs: tuple,
+           method: str) -> tuple[list[OpRecord], str]:
+    """The records of ``root`` (``model`` or its loss wrapper) and how they were traced."""
     if method == "hooks":
         return trace_hooks(root, inputs), "hooks"
     try:
         return trace_fx(root, inputs), "fx"
     except Exception as err:  # fx raises many types for untraceable code
         if method == "fx":
-            raise QSyncError(f"torch.fx cannot trace {type(root).__name__}: "
+            raise QSyncError(f"torch.fx cannot trace {type(model).__name__}: "
                              f"{_one_line(err)}; use method='hooks'") from err
-        warnings.warn(f"torch.fx cannot trace {type(root).__name__} ({_one_line(err)}); "
-                      "recorded the ops with module hooks instead", TracingFallbackWarning,
-                      stacklevel=3)
+        warn_hooks_fallback(model, err, stacklevel=3)
         return trace_hooks(root, inputs), "hooks"
 
 

@@ -61,8 +61,6 @@ On a GPU the same call with ``device="cuda"`` times the native low-precision ker
 
 import copy
 import functools
-import warnings
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,12 +69,11 @@ import torch
 from torch import fx, nn
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.graph import (OpGraph, ScopedCalls, TracingFallbackWarning, symbolic_trace,
-                             trace_graph)
+from qsync_lab.graph import OpGraph, ScopedCalls, symbolic_trace, trace_graph
 from qsync_lab.graph.attention import mha_in_projection, part_name, split_forward, splits
 from qsync_lab.graph.fx_tracer import _scope
 from qsync_lab.graph.kinds import is_leaf_module
-from qsync_lab.graph.opgraph import _loss_root, _one_line, _strip_wrapper
+from qsync_lab.graph.opgraph import _loss_root, _one_line, _strip_wrapper, warn_hooks_fallback
 from qsync_lab.graph.records import OpNamer, OpRecord
 from qsync_lab.policy import OpPrecision
 from qsync_lab.precision import Precision
@@ -96,8 +93,6 @@ HOLD_FACTOR = 2.0
 HOLD_SLACK_US = 20.0
 #: the hold of a span the first step did not have, µs
 FIRST_HOLD_US = 200.0
-#: the models this process has warned about profiling from the hook trace
-_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -180,7 +175,7 @@ def profiled_graph(model: nn.Module, example_inputs, target: torch.Tensor,
             raise
         graph = trace_graph(model, example_inputs, target=target, loss_fn=loss_fn,
                             method="hooks")
-        _warn_hooks_once(model, err.__cause__)
+        warn_hooks_fallback(model, err.__cause__, stacklevel=2)
         return graph
 
 
@@ -203,7 +198,7 @@ def _runner(model: nn.Module, root: nn.Module, precision: Precision, device: tor
             if method == "fx":
                 raise QSyncError(f"torch.fx cannot trace {type(model).__name__}: "
                                  f"{_one_line(err)}; use method='hooks'") from err
-            _warn_hooks_once(model, err)
+            warn_hooks_fallback(model, err, stacklevel=3)
         else:
             return _TimedRun(gm, precision, device)
     return _HookTimedRun(root, precision, device)
@@ -212,14 +207,6 @@ def _runner(model: nn.Module, root: nn.Module, precision: Precision, device: tor
 def _graph_name(name: str, model: nn.Module) -> str:
     """The graph's name of the op ``name`` of ``model``'s loss root."""
     return _strip_wrapper(OpRecord(name, "", ""), model).name
-
-
-def _warn_hooks_once(model: nn.Module, err: BaseException) -> None:
-    if model in _WARNED:
-        return
-    _WARNED.add(model)
-    warnings.warn(f"torch.fx cannot trace {type(model).__name__} ({_one_line(err)}); its ops "
-                  "are timed from the hook trace instead", TracingFallbackWarning, stacklevel=3)
 
 
 class _Spans:

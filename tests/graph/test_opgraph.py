@@ -1,4 +1,5 @@
 import sys
+import warnings
 
 import pytest
 import torch
@@ -139,6 +140,19 @@ def test_untraceable_model_falls_back_to_hooks_with_a_warning():
     assert list(g.ops.index) == ["fc", "sum", "gt", "mul", "act"]
     assert g.ops.loc["act", "inputs"] == ("mul",)
     assert g.ops.loc["mul", "kind"] == "mul" and g.ops.loc["act", "depth"] == 2
+
+
+def test_the_hook_fallback_warns_once_per_model_naming_the_model():
+    model, x, target = DataDependent(), torch.ones(2, 4), torch.tensor([0, 1])
+    nn.init.constant_(model.fc.weight, 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # with its loss: the wrapper is no name the user knows
+            trace_graph(model, x, target=target, loss_fn=nn.CrossEntropyLoss())
+        trace_graph(DataDependent(), x)  # another model: its own warning
+    messages = [str(w.message) for w in caught if w.category is TracingFallbackWarning]
+    assert len(messages) == 2
+    assert all(m.startswith("torch.fx cannot trace DataDependent (") for m in messages)
 
 
 def test_fx_only_tracing_of_untraceable_model_is_a_one_line_error():
