@@ -34,7 +34,7 @@ def _case(source: str, name: str):
 @pytest.mark.parametrize("source, name, method", [("zoo", n, "auto") for n in ZOO]
                          + [("family", n, "auto") for n in sorted(FAMILIES)]
                          + [("family", n, "hooks") for n in HOOK_TRACED]
-                         + [("library", n, "auto") for n in sorted(LIBRARY)])
+                         + [("library", n, m) for n in sorted(LIBRARY) for m in ("auto", "hooks")])
 def test_tracer_indicator_and_apply_name_every_op_alike(source, name, method):
     model, (inputs, target), loss_fn = _case(source, name)
     with warnings.catch_warnings():

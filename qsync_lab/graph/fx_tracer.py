@@ -20,11 +20,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from qsync_lab.graph import attention
 from qsync_lab.graph.flop_count import counted_forward_flops
-from qsync_lab.graph.kinds import COUNTED_KINDS, function_record, is_leaf_module, module_record
+from qsync_lab.graph.kinds import (COUNTED_KINDS, function_record, is_leaf_module, module_kind,
+                                   module_record)
 from qsync_lab.graph.records import OpNamer, OpRecord, TensorMeta
 
 
@@ -65,20 +67,138 @@ def _traceable_transformers():
             transformer._get_seq_len = seq_len
 
 
-def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+class _ConcreteProxy(fx.Proxy):
+    """A proxy that also knows its value on the example inputs (:class:`_ConcreteTracer`):
+    Python code may read it as a number, take its length or ask its dtype and device. A
+    size stays a node, so the ops computed from it are recorded, unless the tracer makes
+    sizes concrete (a size passed to a method of a tensor that is no node: fx cannot)."""
+
+    def value(self):
+        return self.tracer.values[self.node]
+
+    def __index__(self) -> int:
+        return int(self.value())
+
+    __int__ = __index__
+
+    def __len__(self) -> int:
+        return len(self.value())
+
+    def __getattr__(self, name: str):
+        if name in _CONCRETE_ATTRIBUTES or (name == "shape" and self.tracer.concrete_sizes):
+            return getattr(self.value(), name)
+        return super().__getattr__(name)
+
+    def size(self, dim=None):
+        if not self.tracer.concrete_sizes:
+            return self.tracer.create_proxy("call_method", "size", (self,) if dim is None
+                                            else (self, dim), {})
+        return self.value().size() if dim is None else self.value().size(dim)
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+
+#: tensor attributes a :class:`_ConcreteProxy` answers with its value's, not a node
+_CONCRETE_ATTRIBUTES = frozenset({"dtype", "device", "is_nested", "layout", "is_cuda",
+                                  "requires_grad"})
+
+
+class _ConcreteTracer(_LeafTracer):
+    """A :class:`_LeafTracer` that runs each op on the example inputs as it records it, so
+    the model's Python control flow (branches on shapes, dtypes and masks, ``a, b =
+    x.shape``, slices by a length) takes the path those inputs take: the graph holds for
+    inputs like them, which is all a trace of one batch needs."""
+
+    def __init__(self, example_inputs: tuple, concrete_sizes: bool) -> None:
+        super().__init__()
+        self.example_inputs = list(example_inputs)
+        self.concrete_sizes = concrete_sizes
+        self.values: dict[fx.Node, object] = {}
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ConcreteProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,
+                     proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr,
+                                     proxy_factory_fn)
+        with _maybe_revert_all_patches(), torch.no_grad():  # run the op itself, untraced
+            self.values[proxy.node] = self._run(kind, target, *self._values((args, kwargs)))
+        return proxy
+
+    def _run(self, kind: str, target, args, kwargs):
+        if kind == "placeholder":  # the next example input, else the argument's default
+            return self.example_inputs.pop(0) if self.example_inputs else (args or (None,))[0]
+        if kind == "get_attr":
+            return functools.reduce(getattr, target.split("."), self.root)
+        if kind == "call_module":
+            return self.root.get_submodule(target)(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return target(*args, **kwargs)
+
+    def _values(self, value):
+        return fx.node.map_aggregate(value, lambda x: self.values[x.node]
+                                     if isinstance(x, fx.Proxy) else x)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(obj.value())
+
+    def iter(self, obj: fx.Proxy):
+        return iter([obj[i] for i in range(len(obj.value()))])
+
+
+def symbolic_trace(model: nn.Module, example_inputs: tuple | None = None) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` that keeps every op module as one ``call_module`` node
-    (``torch.fx`` alone inlines user modules such as the zoo's ``MatMul``).
+    (``torch.fx`` alone inlines user modules such as the zoo's ``MatMul``). A model whose
+    Python branches on its inputs (a Hugging Face model's shape checks and masks) is traced
+    again with ``example_inputs`` given: each op runs as it is recorded and the branches take
+    the path those inputs take, so the graph is that of inputs like them (sizes kept as
+    nodes where fx allows, else taken as constants too).
 
     Example::
 
-        >>> import torch.nn as nn
+        >>> import torch, torch.nn as nn
         >>> gm = symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
         >>> [n.op for n in gm.graph.nodes]
         ['placeholder', 'call_module', 'output']
+        >>> class Rows(nn.Module):
+        ...     def forward(self, x):
+        ...         rows, _ = x.shape
+        ...         return x[: rows // 2] if rows > 2 else x
+        >>> symbolic_trace(Rows(), (torch.randn(6, 3),))(torch.randn(6, 3)).shape
+        torch.Size([3, 3])
     """
+    for module in model.modules():  # judged by running them, before fx patches them
+        module_kind(module)
+    tracers = [_LeafTracer]
+    if example_inputs is not None:
+        tracers += [functools.partial(_ConcreteTracer, example_inputs, concrete_sizes)
+                    for concrete_sizes in (False, True)]
     with _traceable_transformers():
-        graph = _LeafTracer().trace(model)
-    return fx.GraphModule(model, graph, type(model).__name__)
+        for make_tracer in tracers:
+            try:
+                with _attributes_kept(model):  # no proxy left on a module
+                    return fx.GraphModule(model, make_tracer().trace(model),
+                                          type(model).__name__)
+            except Exception:  # fx raises many types for untraceable code
+                if make_tracer is tracers[-1]:
+                    raise
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module):
+    """Every module's attributes as they were before (a model that caches a size on itself
+    while it runs would keep a proxy of the trace)."""
+    saved = [(module, dict(module.__dict__)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in saved:
+            for name in set(module.__dict__) - set(attributes):
+                del module.__dict__[name]
+            module.__dict__.update(attributes)
 
 
 def trace_fx(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[OpRecord]:
@@ -86,7 +206,7 @@ def trace_fx(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list
 
     Raises whatever torch.fx raises for untraceable code (the caller falls back).
     """
-    gm = symbolic_trace(model)
+    gm = symbolic_trace(model, example_inputs)
     _propagate_shapes(gm, example_inputs)
     params = {name: p for name, p in model.named_parameters()}
     namer = OpNamer()

@@ -1,7 +1,7 @@
 """Record operators by running the model once: module hooks + a TorchFunctionMode.
 
-Used when torch.fx cannot trace a model (data-dependent control flow, unsupported
-Python). Op modules are recorded by forward hooks (a multi-head attention call as its three
+Used when torch.fx cannot trace a model, not even on its example inputs (a Python object
+handed to an op, unsupported Python). Op modules are recorded by forward hooks (a multi-head attention call as its three
 ops, :mod:`qsync_lab.graph.attention`); functional calls made outside op
 modules (``x + y``, ``torch.matmul``, ``x.view(...)``) by a ``TorchFunctionMode``. Data
 edges come from tensor identity. Names follow the fx tracer's scheme, so a plan keyed by

@@ -134,7 +134,7 @@ def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
     device = profile_device(device)
     root, example_inputs, target = loss_root_on(model, loss_fn, example_inputs, target, device)
     precision = Precision.parse(precision)
-    runner = _runner(model, root, precision, device, method)
+    runner = _runner(model, root, (*example_inputs, target), precision, device, method)
     optimizer = torch.optim.SGD(root.parameters(), lr=_LR, momentum=0.9)
     samples, ops = [], None
     for step in range(warmup + steps):
@@ -188,12 +188,13 @@ def loss_root_on(model: nn.Module, loss_fn: nn.Module, example_inputs, target,
     return root.to(device), to_device(example_inputs, device), to_device(target, device)
 
 
-def _runner(model: nn.Module, root: nn.Module, precision: Precision, device: torch.device,
-            method: str) -> "_TimedRun | _HookTimedRun":
-    """The fx runner of ``root`` where ``method`` and torch.fx allow, else the hook runner."""
+def _runner(model: nn.Module, root: nn.Module, inputs: tuple, precision: Precision,
+            device: torch.device, method: str) -> "_TimedRun | _HookTimedRun":
+    """The fx runner of ``root`` (traced on ``inputs``) where ``method`` and torch.fx allow,
+    else the hook runner."""
     if method != "hooks":
         try:
-            gm = symbolic_trace(root)
+            gm = symbolic_trace(root, inputs)
         except Exception as err:  # fx raises many types for untraceable code
             if method == "fx":
                 raise QSyncError(f"torch.fx cannot trace {type(model).__name__}: "

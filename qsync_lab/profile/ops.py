@@ -255,7 +255,7 @@ def autograd_call_overhead_us(*, repeats: int = 20, warmup: int = 3,
 
 def _capture(model, example_inputs, target, loss_fn, device) -> list[_Call]:
     root, example_inputs, target = loss_root_on(model, loss_fn, example_inputs, target, device)
-    gm = symbolic_trace(root)
+    gm = symbolic_trace(root, (*example_inputs, target))
     capture = _Capture(gm)
     with torch.enable_grad():
         capture.run(*example_inputs, target)

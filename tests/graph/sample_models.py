@@ -63,7 +63,7 @@ class Residual(nn.Module):
 
 
 class DataDependent(nn.Module):
-    """Branches on a tensor value: torch.fx cannot trace it."""
+    """Branches on a tensor value: torch.fx traces it only by running it on the example."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,3 +75,26 @@ class DataDependent(nn.Module):
         if h.sum() > 0:
             h = h * 2
         return self.act(h)
+
+
+class Box:
+    """A Python object that carries a tensor: no torch.fx graph can hold one."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+
+class Opaque(nn.Module):
+    """Hands a :class:`Box` to a module: torch.fx cannot trace it, however it tries. It
+    keeps its batch size on itself, as some library models keep sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.carry = nn.Identity()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        self.rows = x.shape[0]
+        h = self.carry(Box(self.fc(x))).tensor
+        return self.act(h * 2)

@@ -8,7 +8,7 @@ import torch.nn as nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.graph import TracingFallbackWarning, trace_graph
 
-from tests.graph.sample_models import TinyEncoder, DataDependent, Residual, cnn, mlp
+from tests.graph.sample_models import DataDependent, Opaque, Residual, TinyEncoder, cnn, mlp
 
 
 def op(graph, name):
@@ -131,34 +131,46 @@ def test_tracing_leaves_the_model_unchanged():
     assert model.training and not model[1].training and model[4].training
 
 
-def test_untraceable_model_falls_back_to_hooks_with_a_warning():
+def test_a_model_branching_on_values_is_traced_by_fx_on_its_example():
     model = DataDependent()
     nn.init.constant_(model.fc.weight, 0.5)  # positive sum: the branch is taken
-    with pytest.warns(TracingFallbackWarning, match="torch.fx cannot trace DataDependent"):
+    graph = trace_graph(model, torch.ones(2, 4))
+    assert graph.traced_with == "fx"
+    assert list(graph.ops.index) == list(trace_graph(model, torch.ones(2, 4),
+                                                     method="hooks").ops.index)
+    assert list(graph.ops.index) == ["fc", "sum", "gt", "mul", "act"]
+    nn.init.constant_(model.fc.weight, -0.5)  # the other path
+    assert list(trace_graph(model, torch.ones(2, 4)).ops.index) == ["fc", "sum", "gt", "act"]
+
+
+def test_untraceable_model_falls_back_to_hooks_with_a_warning():
+    model = Opaque()
+    with pytest.warns(TracingFallbackWarning, match="torch.fx cannot trace Opaque"):
         g = trace_graph(model, torch.ones(2, 4))
     assert g.traced_with == "hooks"
-    assert list(g.ops.index) == ["fc", "sum", "gt", "mul", "act"]
+    assert list(g.ops.index) == ["fc", "mul", "act"]
     assert g.ops.loc["act", "inputs"] == ("mul",)
-    assert g.ops.loc["mul", "kind"] == "mul" and g.ops.loc["act", "depth"] == 2
+    assert g.ops.loc["mul", "inputs"] == ("fc",) and g.ops.loc["act", "depth"] == 2
 
 
 def test_the_hook_fallback_warns_once_per_model_naming_the_model():
-    model, x, target = DataDependent(), torch.ones(2, 4), torch.tensor([0, 1])
-    nn.init.constant_(model.fc.weight, 0.5)
+    model, x, target = Opaque(), torch.ones(2, 4), torch.tensor([0, 1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):  # with its loss: the wrapper is no name the user knows
             trace_graph(model, x, target=target, loss_fn=nn.CrossEntropyLoss())
-        trace_graph(DataDependent(), x)  # another model: its own warning
+        trace_graph(Opaque(), x)  # another model: its own warning
     messages = [str(w.message) for w in caught if w.category is TracingFallbackWarning]
     assert len(messages) == 2
-    assert all(m.startswith("torch.fx cannot trace DataDependent (") for m in messages)
+    assert all(m.startswith("torch.fx cannot trace Opaque (") for m in messages)
 
 
 def test_fx_only_tracing_of_untraceable_model_is_a_one_line_error():
+    model = Opaque()
     with pytest.raises(QSyncError, match="use method='hooks'") as err:
-        trace_graph(DataDependent(), torch.ones(2, 4), method="fx")
+        trace_graph(model, torch.ones(2, 4), method="fx")
     assert "\n" not in str(err.value)
+    assert "rows" not in vars(model)  # the failed traces left no proxy on the model
 
 
 @pytest.mark.parametrize("call,message", [

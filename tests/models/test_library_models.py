@@ -1,5 +1,6 @@
-"""Library models (``transformers``, the ``models`` extra) through every stage: every
-weight-bearing layer plannable (names agree: ``tests/test_op_names.py``), the graph's GEMM FLOPs against
+"""Library models (``transformers``, the ``models`` extra) through every stage: traced by
+torch.fx on their example batch (as the hook tracer sees them), every weight-bearing layer
+plannable (names agree: ``tests/test_op_names.py``), the graph's GEMM FLOPs against
 torch's counter, a plan that applies and trains a step, and the simulator."""
 
 import copy
@@ -32,10 +33,19 @@ NOT_PLANNED = {
 def traced(request):
     torch.manual_seed(0)
     model, (batch, target) = family_model(request.param), family_batch(request.param, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TracingFallbackWarning)
-        graph = trace_graph(model, batch, target=target, loss_fn=logits_loss)
+    graph = trace_graph(model, batch, target=target, loss_fn=logits_loss)  # no fallback
     return request.param, model, batch, target, graph
+
+
+def test_torch_fx_traces_it_on_its_example_as_the_hooks_see_it(traced):
+    _, model, batch, target, graph = traced
+    hooks = trace_graph(model, batch, target=target, loss_fn=logits_loss, method="hooks")
+    assert (graph.traced_with, hooks.traced_with) == ("fx", "hooks")
+    assert _plannable(graph) == _plannable(hooks)
+
+    def flops(g):
+        return g.ops[["fwd_flops", "bwd_input_flops", "bwd_weight_flops"]].to_numpy().sum()
+    assert flops(graph) == pytest.approx(flops(hooks), rel=1e-4)
 
 
 def _plannable(graph) -> list[str]:
@@ -56,12 +66,19 @@ def test_at_least_95_percent_of_the_parameters_are_plannable(traced):
     assert all(any(r in n for r in reasons) for n in left), left
 
 
+#: the gathers (indexing by a tensor: copies, not views) of the library models: Swin's
+#: relative-position bias tables, BERT's padding mask (indexed by batch and position)
+_GATHERS = {"swin_classifier": "relative_position_bias.getitem", "bert_encoder": "bert.getitem"}
+
+
 def test_the_batch_size_is_found_and_gathers_are_copies(traced):
     name, _, _, _, graph = traced
     assert op_work(graph).traced_batch_size == 2  # not a buffer's leading 1
-    gathers = graph.ops[graph.ops["target"].str.contains("getitem")
-                        & (graph.ops["kind"] == "copy")]
-    assert (len(gathers) > 0) == (name == "swin_classifier")  # the bias tables' reads
+    gathers = graph.ops.index[graph.ops["target"].str.contains("getitem")
+                              & (graph.ops["kind"] == "copy")]
+    reads = _GATHERS.get(name)
+    assert all(reads is not None and reads in op for op in gathers), list(gathers)
+    assert len(gathers) > 0 or reads is None
 
 
 def test_the_graphs_gemm_flops_are_torchs(traced):

@@ -12,22 +12,24 @@ from qsync_lab.costs import read_profile
 from qsync_lab.graph import TracingFallbackWarning, trace_graph
 from qsync_lab.profile import model_cache, profile_ops
 from qsync_lab.profile.in_step import time_ops_in_steps
+from tests.graph.sample_models import Box
 
 
 class Branching(nn.Module):
-    """Called as ``model(x=..., scale=...)``; torch.fx cannot trace it: it branches on a
-    traced value (unless ``branch`` is off)."""
+    """Called as ``model(x=..., scale=...)``; torch.fx cannot trace it: it hands a Python
+    object to a module (unless ``branch`` is off)."""
 
     def __init__(self, branch: bool = True) -> None:
         super().__init__()
         self.branch = branch
         self.fc1 = nn.Linear(8, 8)
+        self.carry = nn.Identity()
         self.fc2 = nn.Linear(8, 3)
 
     def forward(self, x, scale):
         h = torch.relu(self.fc1(x)) * scale
-        if self.branch and h.dim() == 3:
-            h = h.mean(1)
+        if self.branch:
+            h = self.carry(Box(h)).tensor
         return self.fc2(h @ self.fc1.weight)
 
 
