@@ -4,20 +4,27 @@ Each model of :mod:`qsync_lab.models.families` trains on the ``local-cpu`` clust
 ranks, batch 16 each, 1 thread) as a user's script would: ``torchrun
 benchmarks/train_family.py``, i.e. ``qsync_lab.runtime.train(config, task=Task(...))``
 with no profile given, so the model's ops are first timed on this machine, in as many
-processes at once as there are ranks (cached in a fresh ``QSYNC_LAB_CACHE``), with its
-training steps under DDP among those processes in fp32 and under a uniform plan of each
-precision of the run (the step overheads are calibrated on them), and the prediction in
-``summary.json`` uses them. Plans: ``fp32``, ``bf16`` (every plannable op) and ``mixed``
-(every other plannable op in bf16). The fp32 and bf16 rows check the calibration (the
-profile timed those very steps, minutes before the run); the mixed rows are predictions
-between those ends. Beside each run, the prediction from the shipped profile alone (the
-roofline for the model's ops: what a user model got before).
+processes at once as there are ranks (cached in a fresh ``QSYNC_LAB_CACHE`` per run: every
+run is a user's first, on a cold cache), with its training steps under DDP among those
+processes in fp32 and under a uniform plan of each precision of the run (the step overheads
+are calibrated on them), and the prediction in ``summary.json`` uses them. Plans: ``fp32``,
+``bf16`` (every plannable op) and ``mixed`` (every other plannable op in bf16). The fp32 and
+bf16 rows check the calibration (the profile timed those very steps, seconds before the
+run); the mixed rows are predictions between those ends. Beside each run, the prediction
+from the shipped profile alone (the roofline for the model's ops: what a user model got
+before).
+
+With ``--repeats N`` every case runs N times; the table then gives each case's median and
+the range of its errors, and a run whose ranks fail is counted (its log kept), not fatal.
+Beside the runs, the machine's own speed spread: a fixed single-thread matmul loop timed
+before each run (its slowest over its fastest time), the noise floor of any prediction.
 
 Targets (issue #19): median |step error| <= 10 %, max <= 25 %.
 
 Run: ``.venv/bin/python benchmarks/user_models.py [--steps N] [--out FILE] [--models ...]
-[--plans ...]``; ``--models`` may name library models (:mod:`qsync_lab.models.library`,
-the ``models`` extra), which only the hook tracer traces.
+[--plans ...] [--repeats N]``; ``--models`` may name library models
+(:mod:`qsync_lab.models.library`, the ``models`` extra), which torch.fx traces only on their
+example batch (:func:`qsync_lab.graph.fx_tracer.symbolic_trace`).
 """
 
 import argparse
@@ -27,9 +34,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
+import torch
 from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
@@ -58,27 +67,55 @@ def plans(graph) -> dict[str, dict[str, str]]:
     return {"fp32": {}, "mixed": dict(list(bf16.items())[::2]), "bf16": bf16}
 
 
-def run(name: str, plan: Plan, steps: int, folder: Path, cache: Path) -> dict:
-    """One 2-rank run of ``benchmarks/train_family.py``; its summary."""
-    plan_path, run_dir = folder / "plan.json", folder / f"run-{name}"
+def run(name: str, plan: Plan, steps: int, folder: Path) -> dict | None:
+    """One 2-rank run of ``benchmarks/train_family.py`` on a cold cache: its summary, or None
+    when a rank failed (its output is kept in ``user_models.<name>.<n>.log``)."""
+    plan_path, run_dir = folder / "plan.json", folder / "run"
     plan.save(plan_path)
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "NUMBA_NUM_THREADS": str(THREADS),
-           "QSYNC_LAB_CACHE": str(cache)}
+           "QSYNC_LAB_CACHE": str(folder / "cache")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", str(ROOT / "benchmarks/train_family.py"),
                            "--family", name, "--plan", str(plan_path),
                            "--run-dir", str(run_dir), "--steps", str(steps)],
                           env=env, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
-        log = Path(tempfile.gettempdir()) / f"user_models.{name}.log"
-        log.write_text(done.stderr)
-        raise SystemExit(f"{name}: the run failed; its output is in {log}")
+        logs = sorted(Path(tempfile.gettempdir()).glob(f"user_models.{name}.*.log"))
+        log = Path(tempfile.gettempdir()) / f"user_models.{name}.{len(logs)}.log"
+        log.write_text(done.stdout + done.stderr)
+        print(f"{name}: the run failed (exit {done.returncode}); its output is in {log}",
+              file=sys.stderr)
+        return None
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def matmul_loop_ms() -> float:
+    """The time of a fixed single-thread workload (200 products of 256 x 256 matrices):
+    compared across the benchmark, how much the machine's own speed drifts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    for _ in range(200):
+        a @ a
+    torch.set_num_threads(threads)
+    return (time.perf_counter() - start) * 1e3
+
+
+def case_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each (model, plan): the median of its runs, and its errors' range across them."""
+    keys = ["model", "plan", "traced_with"]
+    table = runs.groupby(keys, sort=False).median(numeric_only=True).reset_index()
+    spread = runs.groupby(keys, sort=False)["step_err_%"].agg(["min", "max"]).reset_index()
+    table.insert(6, "err_range_%", [f"{lo:+.0f}..{hi:+.0f}" for lo, hi in
+                                    zip(spread["min"], spread["max"])])
+    return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each model and plan")
     parser.add_argument("--out", type=Path, help="also write the report here")
     parser.add_argument("--models", nargs="+", default=list(FAMILIES),
                         choices=[*FAMILIES, *LIBRARY],
@@ -88,48 +125,65 @@ def main() -> None:
     cluster = load_cluster(CLUSTER)
     batch = cluster.ranks[0].batch_size
     shipped = load_cost_model(data_file("profiles", "cpu.csv"))
-    before = load_line("before")
-    rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        cache = Path(folder) / "cache"
-        cases = [(f, p) for f in args.models for p in args.plans]
-        for name, plan_name in tqdm(cases, desc="runs"):
-            inputs, target = family_batch(name, batch)
-            graph = trace_graph(family_model(name), inputs, target=target,
-                                loss_fn=family(name).loss_fn())
-            plan = Plan.build(graph, cluster, {"cpu": plans(graph)[plan_name]},
-                              strategy="benchmark")
-            summary = run(name, plan, args.steps, Path(folder), cache)
-            before = predict_plan(plan, graph, shipped, optimizer=summary["optimizer"])
-            rows.append({"model": name, "plan": plan_name,
-                         "traced_with": graph.traced_with,
-                         "step_ms": summary["measured_step_ms"],
-                         "pred_ms": summary["predicted_step_ms"],
-                         "step_err_%": summary["step_error_pct"],
-                         "shipped_only_err_%": 100 * (before.iteration_us / 1e3
-                                                      / summary["measured_step_ms"] - 1),
-                         "peak_MiB": summary["measured_tensor_peak_mib"],
-                         "pred_MiB": summary["predicted_tensor_peak_mib"],
-                         "mem_err_%": summary["tensor_peak_error_pct"]})
-    table = pd.DataFrame(rows)
+    load_before = load_line("before")
+    rows, failed, probe_ms = [], [], []
+    cases = [(f, p) for _ in range(args.repeats) for f in args.models for p in args.plans]
+    for name, plan_name in tqdm(cases, desc="runs"):
+        inputs, target = family_batch(name, batch)
+        graph = trace_graph(family_model(name), inputs, target=target,
+                            loss_fn=family(name).loss_fn())
+        plan = Plan.build(graph, cluster, {"cpu": plans(graph)[plan_name]},
+                          strategy="benchmark")
+        probe_ms.append(matmul_loop_ms())
+        with tempfile.TemporaryDirectory() as folder:
+            summary = run(name, plan, args.steps, Path(folder))
+        if summary is None:
+            failed.append(f"{name} {plan_name}")
+            continue
+        shipped_only = predict_plan(plan, graph, shipped, optimizer=summary["optimizer"])
+        rows.append({"model": name, "plan": plan_name,
+                     "traced_with": graph.traced_with,
+                     "step_ms": summary["measured_step_ms"],
+                     "pred_ms": summary["predicted_step_ms"],
+                     "step_err_%": summary["step_error_pct"],
+                     "shipped_only_err_%": 100 * (shipped_only.iteration_us / 1e3
+                                                  / summary["measured_step_ms"] - 1),
+                     "peak_MiB": summary["measured_tensor_peak_mib"],
+                     "pred_MiB": summary["predicted_tensor_peak_mib"],
+                     "mem_err_%": summary["tensor_peak_error_pct"]})
+    runs = pd.DataFrame(rows)
+    table = case_table(runs) if args.repeats > 1 else runs
     errors = table["step_err_%"].abs()
     median, largest = statistics.median(errors), errors.max()
     mixed = table.loc[table["plan"] == "mixed", "step_err_%"]
     verdict = "MET" if median <= MEDIAN_TARGET_PCT and largest <= MAX_TARGET_PCT else "MISSED"
+    ratios = runs["pred_ms"] / runs["step_ms"]
     report = [
         f"user-model predictions on {CLUSTER} (2 gloo ranks x {THREADS} thread, batch {batch} "
-        f"each, {args.steps} steps, the first fifth warm-up); {before}",
+        f"each, {args.steps} steps, the first fifth warm-up, each run on a cold cache); "
+        f"{load_before}",
         "pred: from the ops timed before training (cached) + the shipped profile; "
-        "shipped_only: from the shipped profile alone (the roofline for these ops)", "",
+        "shipped_only: from the shipped profile alone (the roofline for these ops)",
+        *([f"{args.repeats} runs of each case: medians, err_range_% the errors' range"]
+          if args.repeats > 1 else []), "",
         table.to_string(index=False, float_format=lambda v: f"{v:.2f}"), "",
         f"median |step error| {median:.1f} % (target <= {MEDIAN_TARGET_PCT:g} %), "
         f"max {largest:.1f} % (target <= {MAX_TARGET_PCT:g} %): {verdict}",
         *([f"of which mixed plans (predicted between the calibrated fp32 and bf16 steps): "
            f"median |step error| {statistics.median(mixed.abs()):.1f} %, max "
            f"{mixed.abs().max():.1f} %"] if len(mixed) else []),
+        f"over all {len(runs)} runs: median |step error| "
+        f"{statistics.median(runs['step_err_%'].abs()):.1f} %, predicted/measured "
+        f"x{ratios.min():.2f}..x{ratios.max():.2f}, "
+        f"{int(((ratios >= 0.75) & (ratios <= 1.33)).sum())} of {len(runs)} within x0.75-x1.33",
         f"median |step error| from the shipped profile alone: "
         f"{statistics.median(table['shipped_only_err_%'].abs()):.1f} %",
-        f"median |peak memory error| {statistics.median(table['mem_err_%'].abs()):.1f} %"]
+        f"median |peak memory error| {statistics.median(table['mem_err_%'].abs()):.1f} %",
+        f"failed runs (a rank exited non-zero): {len(failed)} of {len(cases)}"
+        + (f" ({', '.join(failed)})" if failed else ""),
+        f"machine speed: a fixed matmul loop before each run took {min(probe_ms):.0f}-"
+        f"{max(probe_ms):.0f} ms (median {statistics.median(probe_ms):.0f}; slowest/fastest "
+        f"x{max(probe_ms) / min(probe_ms):.2f})"]
     finish_report(report, args.out)
 
 
