@@ -116,6 +116,12 @@ class _ConcreteTracer(_LeafTracer):
         self.concrete_sizes = concrete_sizes
         self.values: dict[fx.Node, object] = {}
 
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        try:
+            return super().trace(root, concrete_args)
+        finally:  # the example's activations, freed now: a trace in a memory window
+            self.values.clear()  # would otherwise hold them until a garbage collection
+
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ConcreteProxy(node, self)
 

@@ -1,3 +1,4 @@
+import gc
 import sys
 import warnings
 
@@ -242,3 +243,23 @@ def test_traces_from_several_threads_do_not_mix():
     finally:
         sys.setswitchinterval(interval)
     assert [len(g.ops) for g in graphs] == [want[name] for name in names]
+
+
+def test_a_trace_on_the_example_holds_no_activation_after_it():
+    """A rank traces its model inside the run's memory window: the example's activations
+    must be freed when the trace ends, not at some later garbage collection."""
+    from qsync_lab.runtime.memory import MemoryWindow
+
+    model, x = DataDependent(), torch.ones(4096, 4)  # each activation 64 KiB
+    nn.init.constant_(model.fc.weight, 0.5)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        window = MemoryWindow(cuda=False)
+        assert trace_graph(model, x).traced_with == "fx"
+        after = torch.zeros(1024, 1024)  # 4 MiB, allocated after the trace
+        peak_bytes = window.close()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    assert peak_bytes == after.nbytes
