@@ -85,15 +85,10 @@ class _ConcreteProxy(fx.Proxy):
         return len(self.value())
 
     def __getattr__(self, name: str):
-        if name in _CONCRETE_ATTRIBUTES or (name == "shape" and self.tracer.concrete_sizes):
+        if name in _CONCRETE_ATTRIBUTES or (name in ("shape", "size")
+                                            and self.tracer.concrete_sizes):
             return getattr(self.value(), name)
         return super().__getattr__(name)
-
-    def size(self, dim=None):
-        if not self.tracer.concrete_sizes:
-            return self.tracer.create_proxy("call_method", "size", (self,) if dim is None
-                                            else (self, dim), {})
-        return self.value().size() if dim is None else self.value().size(dim)
 
     def __float__(self) -> float:
         return float(self.value())
