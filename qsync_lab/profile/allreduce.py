@@ -5,7 +5,7 @@
 ``dist.all_reduce`` of an fp32 tensor of each size: warm-up calls, then the median of
 ``repeats`` calls, every call started together after a barrier and ended when the
 slowest rank is done (the time rank 0 reports). :func:`fit_alpha_beta` fits
-``time = a·bytes + b`` and reads the link off the ring model of
+``time = a·bytes + b`` on relative residuals (sizes span four decades) and reads the link off the ring model of
 :mod:`qsync_lab.costs.comm`: ``a = 2(n−1)/n / β`` and ``b = 2(n−1)·α``.
 
 Example::
@@ -71,7 +71,7 @@ def fit_alpha_beta(nbytes: Sequence[float], time_us: Sequence[float], *, world_s
     """
     if world_size < 2:
         raise QSyncError(f"an allreduce fit needs at least 2 ranks, got {world_size}")
-    line = fit_line(nbytes, time_us)
+    line = fit_line(nbytes, time_us, relative=True)
     steps = 2 * (world_size - 1)
     if line.slope <= 0 or line.intercept <= 0:
         raise QSyncError(f"allreduce times do not fit a positive line (slope {line.slope:.3g} "

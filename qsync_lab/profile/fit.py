@@ -27,16 +27,26 @@ class LineFit:
     samples: int
 
 
-def fit_line(x: Sequence[float], y: Sequence[float]) -> LineFit:
-    """Ordinary least squares of ``y`` on ``x`` (at least 2 distinct ``x``).
+def fit_line(x: Sequence[float], y: Sequence[float], *, relative: bool = False) -> LineFit:
+    """Least squares of ``y`` on ``x`` (at least 2 distinct ``x``).
 
-    R² is ``1 − SS_res / SS_tot`` (1.0 when ``y`` is constant and fitted exactly).
+    ``relative=True`` minimises relative residuals ``(y − ŷ) / y`` (``y > 0``): points
+    spread over decades (allreduces of 4 KiB to 64 MiB) then each count alike, so the
+    intercept comes from the small ones instead of from the noise of the largest.
+    R² is ``1 − SS_res / SS_tot`` on ``y`` (1.0 when ``y`` is constant and fitted exactly).
+
+    Example::
+
+        >>> fit_line([1, 10, 100], [2, 11, 101], relative=True).intercept
+        1.0
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
     if len(x) != len(y) or len(np.unique(x)) < 2:
         raise QSyncError(f"a line fit needs at least 2 distinct x values (got {len(x)} "
                          f"points, {len(np.unique(x))} distinct)")
-    slope, intercept = np.polyfit(x, y, 1)
+    if relative and (y <= 0).any():
+        raise QSyncError("a relative line fit needs every y > 0")
+    slope, intercept = np.polyfit(x, y, 1, w=1 / y if relative else None)
     residual = float(((y - (slope * x + intercept)) ** 2).sum())
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - residual / total if total > 0 else float(residual == 0)

@@ -62,6 +62,8 @@ def test_fit_line_and_casts_recover_a_known_line():
     assert 0.99 < noisy.r2 < 1.0
     with pytest.raises(QSyncError, match="2 distinct"):
         fit_line([1, 1], [2, 3])
+    with pytest.raises(QSyncError, match="every y > 0"):
+        fit_line([1, 2], [0, 3], relative=True)
 
 
 def test_alpha_beta_fit_recovers_link():
@@ -76,6 +78,15 @@ def test_alpha_beta_fit_recovers_link():
         assert fit.r2 == pytest.approx(1.0)
     with pytest.raises(QSyncError, match="positive line"):
         fit_alpha_beta(sizes, 100 - sizes * 1e-9, world_size=2, link="eth")
+
+
+def test_alpha_beta_latency_comes_from_the_small_allreduces_not_the_noise_of_the_large():
+    sizes = 4.0 ** np.arange(6, 14)  # 4 KiB .. 64 MiB
+    times = 80 + sizes / 2000  # latency term 80 us
+    times[-1] *= 1.05  # the 64 MiB allreduce 5 % slow, as under load
+    assert fit_line(sizes, times).intercept < 15  # least squares on times: latency lost
+    fit = fit_alpha_beta(sizes, times, world_size=2, link="eth")
+    assert fit.line.intercept == pytest.approx(80, rel=0.01)
 
 
 def test_allreduce_measurement_runs_on_gloo():
