@@ -1,7 +1,9 @@
 """Library models (``transformers``, the ``models`` extra) through every stage: traced by
 torch.fx on their example batch (as the hook tracer sees them), every weight-bearing layer
 plannable (names agree: ``tests/test_op_names.py``), the graph's GEMM FLOPs against
-torch's counter, a plan that applies and trains a step, and the simulator."""
+torch's counter, a plan that applies and trains a step, and the simulator; a bf16 plan's
+GEMMs run natively in bf16 and every op is profiled in-step, on the CPU and (``--gpu``) on
+CUDA."""
 
 import copy
 import warnings
@@ -16,11 +18,19 @@ from qsync_lab.graph import TracingFallbackWarning, trace_graph
 from qsync_lab.models.families import family_batch, family_model
 from qsync_lab.models.library import LIBRARY, LogitsLoss
 from qsync_lab.policy import GEMM_KINDS, PLANNABLE_KINDS
+from qsync_lab.profile.ops import profile_ops
 from qsync_lab.quant import apply_plan_
+from qsync_lab.quant.native import execution
+from tests.gemm_calls import GemmCalls
 
 pytest.importorskip("transformers")
 
 logits_loss = LogitsLoss()
+
+#: "native": CPU tensors forced through the native path (torch's kernels, as a GPU runs
+#: them); "cpu": the CPU as it runs; "cuda": a GPU
+NATIVE = ["native", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 #: parameters no plannable op holds, by model: (name pattern, why)
 NOT_PLANNED = {
@@ -123,3 +133,36 @@ def test_the_allocators_plan_simulates_and_applies(traced):
     planned = copy.deepcopy(model)
     apply_plan_(planned, plan.precisions["T4"])
     logits_loss(planned(**batch), target).backward()
+
+
+@pytest.mark.parametrize("device", NATIVE)
+def test_a_bf16_plans_gemms_multiply_bf16_operands(traced, device):
+    """Natively, every plannable linear and convolution runs its forward product in bf16
+    (cuBLAS / cuDNN on a GPU), and the step's loss and gradients are finite."""
+    _, model, batch, target, graph = traced
+    where = "cpu" if device == "native" else device
+    planned = copy.deepcopy(model).to(where)
+    batch, target = {k: v.to(where) for k, v in batch.items()}, target.to(where)
+    apply_plan_(planned, dict.fromkeys(_plannable(graph), "bf16"))
+    gemms = [op for op in _plannable(graph) if graph.ops.at[op, "kind"] in GEMM_KINDS]
+    with execution("native" if device == "native" else "auto"):
+        with GemmCalls() as forward:
+            loss = logits_loss(planned(**batch), target)
+        loss.backward()
+    in_bf16 = [name for name, dtypes, _ in forward.calls
+               if dtypes == (torch.bfloat16, torch.bfloat16)]
+    assert len(in_bf16) >= len(gemms) > 0, (len(in_bf16), len(gemms))
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in planned.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_plannable_op_is_profiled_in_step_in_each_precision(traced, device):
+    _, model, batch, target, graph = traced
+    rows = profile_ops(model, batch, target, logits_loss, ["fp32", "bf16"], device=device,
+                       repeats=3, warmup=1, progress=False)
+    forward = rows[rows["phase"] == "forward"]
+    for precision in ("fp32", "bf16"):
+        timed = set(forward.loc[forward["precision"] == precision, "op"])
+        assert set(_plannable(graph)) <= timed, set(_plannable(graph)) - timed
+    assert (forward["time_us"] > 0).all()

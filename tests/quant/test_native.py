@@ -11,36 +11,13 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qsync_lab.devices import load_catalog
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.quant import apply_plan_, apply_resolved_plan_
 from qsync_lab.quant.native import execution, runs_native
-
-_GEMMS = {"mm", "addmm", "bmm", "_int_mm", "_scaled_mm", "convolution",
-          "convolution_backward"}
-
-
-class _Kernels(TorchDispatchMode):
-    """Records (aten op name, operand dtypes, TF32 switch: cuDNN's for convolutions,
-    cuBLAS's for the others) of every GEMM-like call."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls, self.count = [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        name = func.overloadpacket.__name__
-        if name in _GEMMS:
-            dtypes = tuple(a.dtype for a in args[:2] if isinstance(a, torch.Tensor))
-            switch = torch.backends.cudnn if name.startswith("conv") else \
-                torch.backends.cuda.matmul
-            self.calls.append((name, dtypes, switch.allow_tf32))
-        return func(*args, **(kwargs or {}))
-
+from tests.gemm_calls import GemmCalls
 
 #: "native": CPU tensors forced through the native path; "cuda": a GPU as it runs
 DEVICES = ["native", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -49,7 +26,7 @@ DEVICES = ["native", pytest.param("cuda", marks=pytest.mark.gpu)]
 def _step(model, x, device="native"):
     model, x = model.to(_torch_device(device)), x.to(_torch_device(device)).detach()
     x.requires_grad_(x.is_floating_point())
-    with execution("native" if device == "native" else "auto"), _Kernels() as kernels:
+    with execution("native" if device == "native" else "auto"), GemmCalls() as kernels:
         out = model(x)
         out.float().sum().backward()
     return out, kernels
@@ -197,7 +174,7 @@ def test_native_bf16_bert_launches_at_most_1_2x_autocasts_kernels(device):
                          load_catalog().device("A100-SXM4-80GB"))
 
     def count(step):
-        with _Kernels() as kernels:
+        with GemmCalls() as kernels:
             step()
         return kernels
 
