@@ -157,7 +157,8 @@ def _held_bytes(work: OpWork, ops: tuple[int, ...], device: DeviceSpec, memory: 
         uniform = resolve_precisions(
             work, {op: p for op in ops if op_may_run(work, op, p, device)
                    and keep_format(work.kinds[op], p) is storage_precision(p)}, device)
-        per_op = (memory.saved(uniform, batch_size=batch_size, split_shared=True)
+        per_op = (memory.saved(uniform, batch_size=batch_size, split_shared=True,
+                               emulated=device.emulated)
                   + memory.weight_copies(uniform))
         held[:, c] = np.add.reduceat(per_op, starts)
     return held

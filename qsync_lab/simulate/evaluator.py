@@ -255,7 +255,7 @@ class PlanEvaluator:
 
         def compute() -> float:
             assignment = resolve_precisions(self.prepared.work, plan, self.devices[kind])
-            return max(float(sum(self._memory(assignment, batch).values()))
+            return max(float(sum(self._memory(assignment, kind, batch).values()))
                        for name, batch in self.classes if name == kind)
 
         return self._memo.get(("memory", kind, self._memo.plan_key(plan)), compute)
@@ -298,7 +298,7 @@ class PlanEvaluator:
         else:
             assignment, touched = re_resolve(work, base.assignment, changes, device)
             timeline = builder.timeline(assignment, base=base.timeline, touched=touched)
-        return ClassState(assignment, timeline, self._memory(assignment, batch))
+        return ClassState(assignment, timeline, self._memory(assignment, kind, batch))
 
     def _builder(self, kind: str, batch: int) -> TimelineBuilder:
         """The timeline builder of ``kind`` at ``batch`` (shared with the forks)."""
@@ -308,8 +308,10 @@ class PlanEvaluator:
                 ddp=self.ddp)
         return self._builders[(kind, batch)]
 
-    def _memory(self, assignment: PrecisionAssignment, batch: int) -> dict[str, float]:
-        return self.memory_model.breakdown(assignment, batch_size=batch)
+    def _memory(self, assignment: PrecisionAssignment, kind: str,
+                batch: int) -> dict[str, float]:
+        return self.memory_model.breakdown(assignment, batch_size=batch,
+                                           emulated=self.devices[kind].emulated)
 
     def _replay(self, timelines: list[ComputeTimeline]) -> tuple[AllreduceReplay, float]:
         """The allreduce stream, then each class's unpack and optimizer step."""

@@ -49,9 +49,13 @@ temporaries during its step (foreach Adam's ``sqrt`` of the second moment), the 
 logits kept after forward, and the 16-bit values that natively pass through the ops the
 policy runs in fp32 but the runtime does not guard (an ``add``, a softmax, GELU,
 ``F.scaled_dot_product_attention`` after a bf16 GEMM run and save in bf16 on CUDA;
-counted here in fp32, as the policy has them). The CPU emulation stores every activation
-in fp32 (it rounds values, not storage), so 16-bit plans measured there hold more than
-this model's count.
+counted here in fp32, as the policy has them).
+
+A rank that emulates its precisions (``DeviceSpec.emulated``: the CPU, or a GPU kind a
+CPU plays) rounds values, not storage: there every output, every kept operand but a
+GEMM's encoded ones, and the backward's gradients are fp32, and a low-precision GEMM's
+backward widens its encoded input and weight back to fp32 (counted as held together; the
+emulation widens one per product, and copies the output gradient it rounds).
 
 Example::
 
@@ -109,7 +113,8 @@ def keep_format(kind: str, precision: Precision) -> Precision:
 
 
 def memory_breakdown(work: OpWork, params: pd.DataFrame, assignment: PrecisionAssignment, *,
-                     batch_size: int, optimizer: str, bucket_bytes: float) -> dict[str, float]:
+                     batch_size: int, optimizer: str, bucket_bytes: float,
+                     emulated: bool = False) -> dict[str, float]:
     """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank.
 
     Args:
@@ -119,9 +124,12 @@ def memory_breakdown(work: OpWork, params: pd.DataFrame, assignment: PrecisionAs
         batch_size: the rank's batch size.
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw``.
         bucket_bytes: total size of DDP's gradient buckets.
+        emulated: the rank emulates its precisions (``DeviceSpec.emulated``: the CPU, or a
+            kind a CPU plays): its ops write fp32-dtype values and only the GEMMs keep
+            their encoded operands in the low format.
     """
-    return MemoryModel(work, params, optimizer=optimizer,
-                       bucket_bytes=bucket_bytes).breakdown(assignment, batch_size=batch_size)
+    return MemoryModel(work, params, optimizer=optimizer, bucket_bytes=bucket_bytes
+                       ).breakdown(assignment, batch_size=batch_size, emulated=emulated)
 
 
 class MemoryModel:
@@ -145,15 +153,15 @@ class MemoryModel:
         self._batched: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def saved(self, assignment: PrecisionAssignment, *, batch_size: int,
-              split_shared: bool = False) -> np.ndarray:
+              split_shared: bool = False, emulated: bool = False) -> np.ndarray:
         """Per op, the bytes of activations it holds for backward until its backward has
         run (a tensor several ops keep as it is counted at the first of them): their sum
         is everything a training step saves. With ``split_shared`` such a tensor counts
         in even parts at each of them instead (wholly at its writer when the writer keeps
         it, as a ReLU does): each op's share of the sum, which the allocator weighs per
-        op."""
+        op. ``emulated``: as :func:`memory_breakdown`."""
         scale, own_fp32, _ = self._at_batch(batch_size)
-        keep, written = self._formats(assignment)
+        keep, written = self._formats(assignment, emulated)
         stored_bits = self._stored_bits(assignment)
         return own_fp32 * stored_bits / 32 + self._shared.held(keep, written, scale,
                                                                split=split_shared)
@@ -164,13 +172,18 @@ class MemoryModel:
         stored_bits = self._stored_bits(assignment)
         return np.where(stored_bits < 32, self.work.weight_numel * stored_bits / 8, 0.0)
 
-    def breakdown(self, assignment: PrecisionAssignment, *, batch_size: int) -> dict[str, float]:
-        """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank."""
-        _, _, transient_fp32 = self._at_batch(batch_size)
-        backward_ratio = bits_ratio([_STORAGE[q] for q in assignment.backward])
-        saved = self.saved(assignment, batch_size=batch_size)
+    def breakdown(self, assignment: PrecisionAssignment, *, batch_size: int,
+                  emulated: bool = False) -> dict[str, float]:
+        """Bytes per component of :data:`MEMORY_COMPONENTS` for one rank (``emulated``: as
+        :func:`memory_breakdown`)."""
+        scale, _, transient_fp32 = self._at_batch(batch_size)
+        saved = self.saved(assignment, batch_size=batch_size, emulated=emulated)
         copies = self.weight_copies(assignment)
-        transient = transient_fp32 * backward_ratio
+        if emulated:  # fp32 gradients, and a GEMM's encoded operands widened for backward
+            widened = self.work.act_read_bytes * scale + self.work.weight_numel * 4.0
+            transient = transient_fp32 + np.where(copies > 0, widened, 0.0)
+        else:
+            transient = transient_fp32 * bits_ratio([_STORAGE[q] for q in assignment.backward])
         held_activations = np.cumsum(saved)  # while op i's backward runs: ops 0..i
         held_copies = np.cumsum(copies)
         held_gradients = self._held_gradients
@@ -185,12 +198,16 @@ class MemoryModel:
             "workspace": float(transient[peak_at]),
         }
 
-    def _formats(self, assignment: PrecisionAssignment) -> tuple[np.ndarray, np.ndarray]:
+    def _formats(self, assignment: PrecisionAssignment,
+                 emulated: bool) -> tuple[np.ndarray, np.ndarray]:
         """Per op, the storage format (a code) it keeps its saved float operands in
-        (:func:`keep_format`) and the one it writes its output in."""
-        keep = np.where(self._keeps_fp32, _FORMAT[Precision.FP32],
+        (:func:`keep_format`) and the one it writes its output in; emulated, every output
+        and every operand but a GEMM's encoded ones in fp32."""
+        fp32 = _FORMAT[Precision.FP32]
+        keep = np.where(self._keeps_fp32 | (emulated & ~self._encoded), fp32,
                         [_STORAGE_FORMAT[p] for p in assignment.precision])
-        written = np.array([_STORAGE_FORMAT[p] for p in assignment.output])
+        written = np.full(len(keep), fp32) if emulated else np.array(
+            [_STORAGE_FORMAT[p] for p in assignment.output])
         return keep, written
 
     def _stored_bits(self, assignment: PrecisionAssignment) -> np.ndarray:

@@ -107,3 +107,39 @@ def test_a_runs_peak_counts_its_optimizer(tmp_path):
                                                       seq_len=32).parameters()) / MIB
     assert measured["sgd_momentum"] - measured["sgd"] == pytest.approx(params_mib, rel=0.05)
     assert measured["adamw"] - measured["sgd"] == pytest.approx(2 * params_mib, rel=0.05)
+
+
+def test_an_emulated_bf16_steps_peak_is_the_emulating_memory_models():
+    """A bf16 MLP's forward and backward on the CPU (the emulation): the measured peak of the
+    tensors the step makes is within 20 % of the memory model's count for an emulating rank,
+    while the count for a rank that runs bf16 natively is more than 30 % below it."""
+    from torch import nn
+
+    from qsync_lab.costs import op_work
+    from qsync_lab.devices import load_catalog
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.policy import resolve_precisions
+    from qsync_lab.quant import apply_plan_
+    from qsync_lab.simulate.memory import MemoryModel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 10))
+    x, target, loss_fn = torch.randn(512, 256), torch.randint(0, 10, (512,)), nn.CrossEntropyLoss()
+    graph = trace_graph(model, x, target=target, loss_fn=loss_fn)
+    plan = {"0": "bf16", "2": "bf16", "4": "bf16"}
+    apply_plan_(model, plan)
+    window = MemoryWindow(cuda=False)
+    loss_fn(model(x), target).backward()
+    measured = window.close()
+    work = op_work(graph)
+    memory = MemoryModel(work, graph.params, optimizer="sgd", bucket_bytes=0)
+    assignment = resolve_precisions(work, plan, load_catalog().device("cpu"))
+    step_parts = ("activations", "low_precision_weights", "gradients", "workspace")
+
+    def predicted(emulated: bool) -> float:
+        parts = memory.breakdown(assignment, batch_size=512, emulated=emulated)
+        return sum(parts[k] for k in step_parts)
+
+    assert abs(predicted(True) / measured - 1) < 0.2, (predicted(True) / MIB, measured / MIB)
+    assert predicted(False) / measured - 1 < -0.3

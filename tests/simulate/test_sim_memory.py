@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from tests.simulate.conftest import FAST, SLOW
 
+from qsync_lab.cluster import load_cluster
 from qsync_lab.costs import CostModel, op_work
 from qsync_lab.devices import load_catalog
 from qsync_lab.graph import trace_graph
@@ -268,3 +269,45 @@ def test_split_shared_counts_a_tensor_in_even_parts_unless_its_writer_keeps_it()
     assert (first["fc1"], first["fc2"]) == (h, 0) and (split["fc1"], split["fc2"]) == (h / 2, h / 2)
     first, split = _first_and_split(_two_layers(), batch)
     assert (first["1"], first["2"]) == (split["1"], split["2"]) == (h, 0)
+
+
+def test_an_emulating_rank_holds_fp32_values_but_the_gemms_encoded_operands():
+    """On a rank that emulates (the CPU), layer 0 in bf16 keeps a bf16 copy of its input and
+    weight (the encoded operands), but writes fp32 values: the ReLU keeps its output in fp32,
+    shared with layer 1, and the backward's gradients and products are fp32."""
+    graph = _two_layers()
+    work = op_work(graph)
+    cpu = load_catalog().device("cpu")
+    assignment = resolve_precisions(work, {"0": "bf16"}, cpu)
+    memory = memory_breakdown(work, graph.params, assignment, batch_size=4, optimizer="sgd",
+                              bucket_bytes=0, emulated=True)
+    fp32, bf16 = 4, 2
+    # peak at layer 0's backward: its bf16 input copy held, every gradient, fp32 workspace:
+    # output and input gradients, and its encoded input and weight widened back to fp32
+    assert memory == pytest.approx({
+        "master_weights": 212 * fp32, "low_precision_weights": (16 * 8 + 16) * bf16,
+        "gradients": 212 * fp32, "ddp_buckets": 0, "optimizer_state": 0,
+        "activations": 4 * 8 * bf16,
+        "workspace": (4 * 16 + 4 * 8) * fp32 + (4 * 8 + 16 * 8 + 16) * fp32})
+    held = MemoryModel(work, graph.params, optimizer="sgd", bucket_bytes=0).saved(
+        assignment, batch_size=4, emulated=True)
+    assert held.tolist() == [4 * 8 * bf16, 4 * 16 * fp32, 0]  # layer 1 shares the ReLU's
+    native = MemoryModel(work, graph.params, optimizer="sgd", bucket_bytes=0).saved(
+        assignment, batch_size=4)
+    assert native.tolist() == [4 * 8 * bf16, 4 * 16 * bf16, 4 * 16 * fp32]
+
+
+def test_the_simulator_costs_a_cpu_ranks_memory_as_emulated():
+    graph = _two_layers()
+    cluster = load_cluster("local-cpu")
+    sim = simulate(graph, {"cpu": {"0": "bf16"}}, cluster, CostModel())
+    work = op_work(graph)
+    assignment = resolve_precisions(work, {"0": "bf16"}, cluster.catalog.device("cpu"))
+    model = MemoryModel(work, graph.params, optimizer="sgd", bucket_bytes=0)
+    batch = cluster.ranks[0].batch_size
+    parts = ["activations", "workspace", "low_precision_weights", "gradients"]
+    emulated = model.breakdown(assignment, batch_size=batch, emulated=True)
+    native = model.breakdown(assignment, batch_size=batch)
+    assert sim.memory_breakdown.loc[0, parts].to_dict() == pytest.approx(
+        {k: emulated[k] for k in parts})
+    assert {k: native[k] for k in parts} != pytest.approx({k: emulated[k] for k in parts})
