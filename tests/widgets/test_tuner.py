@@ -24,7 +24,7 @@ def test_a_strategy_change_replans_once_and_redraws_in_place(tuner, study, monke
     assert timeline_bars(widget) == simulated_bars(sim)
     assert tuner.result.plan == direct
     assert f"{sim.iteration_us / 1e3:.3f} ms" in tuner.summary.value
-    assert f"<td>T4</td><td>1 x 16</td>" in tuner.summary.value
+    assert "<td>T4</td><td>1 x 16</td>" in tuner.summary.value
     assert f"<td>{direct.low_precision_ops()['T4']}</td></tr>" in tuner.summary.value
     assert set(shown(tuner, "precision_map").data[0].colorbar.ticktext) > {"fp32"}
 
