@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
-from qsync_lab.costs import load_cost_model
+from qsync_lab.costs import load_cost_model, read_profile
 from qsync_lab.graph import trace_graph
 from qsync_lab.models.families import FAMILIES, family, family_batch, family_model
 from qsync_lab.models.library import LIBRARY
@@ -56,7 +56,6 @@ from qsync_lab.plan import Plan
 from qsync_lab.profile.overhead import uniform_op_precisions
 from qsync_lab.resources import data_file
 from qsync_lab.runtime.prediction import predict_plan
-from qsync_lab.costs import read_profile
 from reporting import finish_report, load_line
 
 ROOT = Path(__file__).resolve().parents[1]

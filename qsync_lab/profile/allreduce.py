@@ -5,8 +5,9 @@
 ``dist.all_reduce`` of an fp32 tensor of each size: warm-up calls, then the median of
 ``repeats`` calls, every call started together after a barrier and ended when the
 slowest rank is done (the time rank 0 reports). :func:`fit_alpha_beta` fits
-``time = a·bytes + b`` on relative residuals (sizes span four decades) and reads the link off the ring model of
-:mod:`qsync_lab.costs.comm`: ``a = 2(n−1)/n / β`` and ``b = 2(n−1)·α``.
+``time = a·bytes + b`` on relative residuals (the sizes span four decades) and reads the
+link off the ring model of :mod:`qsync_lab.costs.comm`: ``a = 2(n−1)/n / β`` and
+``b = 2(n−1)·α``.
 
 Example::
 

@@ -55,7 +55,8 @@ A rank that emulates its precisions (``DeviceSpec.emulated``: the CPU, or a GPU 
 CPU plays) rounds values, not storage: there every output, every kept operand but a
 GEMM's encoded ones, and the backward's gradients are fp32, and a low-precision GEMM's
 backward widens its encoded input and weight back to fp32 (counted as held together; the
-emulation widens one per product, and copies the output gradient it rounds).
+emulation widens one per product, and copies the output gradient it rounds). Not counted
+there: the second operand of a weightless matmul (attention scores) widened likewise.
 
 Example::
 
