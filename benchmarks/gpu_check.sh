@@ -3,7 +3,7 @@
 # (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
 #   bash benchmarks/gpu_check.sh [step ...]
 #   default: quant profile train tests kernels buckets   (about 8 minutes)
-#   then, in a second call: user hybrid hooks library     (about 6 minutes)
+#   then, in a second call: user hybrid hooks library overhead   (about 6 minutes)
 # (on an H200: quant 37 s, train 132 s a round, user 59 s, a hybrid row 40 s)
 # quant: the quant GPU tests (native fp16/bf16/tf32/int8/fp8 operators, kernels and dtypes per
 #   op, launches of a bf16 BERT against torch.autocast)
@@ -21,6 +21,8 @@
 # hybrid: benchmarks/hybrid_gpu.py, the GPU split into a fast and a slow partition (green
 #   contexts under MPS), each strategy trained and predicted ($OUT/hybrid_gpu.csv; the runs
 #   themselves under $WORK; HYBRID_BUDGET: its seconds, 200)
+# overhead: benchmarks/op_overhead.py, the host's cost of one op (tiny linear, conv, matmul)
+#   in each plan precision beside eager, TF32 and autocast ($OUT/op_overhead.txt)
 # library: the library models (transformers: GPT-2, BERT, T5, ViT, Swin, ResNet) on CUDA: a bf16
 #   plan's GEMMs multiply bf16 operands, every plannable op profiled in-step in fp32 and bf16
 # Each step has its own time limit, so one stuck step cannot hide the others' results. The
@@ -107,6 +109,8 @@ for name in $STEPS; do
                      --skip-runs --repeats 20 ;;
         hooks) step hooks "${HOOKS_LIMIT:-90}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
                    ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
+        overhead) step overhead 60 $PY benchmarks/op_overhead.py --device cuda \
+                      --out "$OUT/op_overhead.txt" ;;
         library) step library 150 "${PYTEST[@]}" -m gpu tests/models/test_library_models.py ;;
         user) step user 100 env GPU_PROFILE="${GPU_PROFILE:-}" bash -c user_path ;;
         hybrid) step hybrid $((${HYBRID_BUDGET:-200} + 40)) $PY benchmarks/hybrid_gpu.py --steps 30 \

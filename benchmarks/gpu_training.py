@@ -32,9 +32,10 @@ as failed with the exception's last line; the others still run. Rows left when
 decoder) for 2 warm-up and 3 timed steps: the CPU check of the whole table.
 
 The card is mapped to its catalog kind by name and memory (``--kind`` to choose one).
-TF32 is switched by torch's legacy flags before each row: off for the plans (as the trainer
-sets it on CUDA; the tf32 ops switch it on around themselves), torch's defaults for
-autocast (cuBLAS off, cuDNN on), off or on for the eager rows.
+TF32 is switched by torch's legacy flags before each row: for the plans as the trainer sets
+it on CUDA (on where no GEMM op computes in fp32, as the tf32 plan; else off, the tf32 ops
+switching it on around themselves), torch's defaults for autocast (cuBLAS off, cuDNN on),
+off or on for the eager rows.
 
 Example (``benchmarks/gpu_check.sh train`` runs the first)::
 
@@ -69,8 +70,8 @@ from qsync_lab.models.families import GPTDecoder, SequenceCrossEntropy
 from qsync_lab.optimizers import make_optimizer
 from qsync_lab.plan import Plan
 from qsync_lab.policy import PLANNABLE_KINDS, kind_allows
-from qsync_lab.quant import apply_resolved_plan_
-from qsync_lab.quant.native import fp32_inputs
+from qsync_lab.quant import apply_resolved_plan_, plan_keeps_tf32_on
+from qsync_lab.quant.native import fp32_inputs, set_tf32
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.optimizer_step import finish_step, loss_scaler
 from qsync_lab.simulate import simulate
@@ -158,7 +159,7 @@ def one_rank_cluster(device: DeviceSpec, batch_size: int) -> Cluster:
                   "devices": [{"kind": device.name, "count": 1}]}]})
 
 
-def set_tf32(matmul: bool, conv: bool) -> None:
+def torch_tf32(matmul: bool, conv: bool) -> None:
     """TF32 for cuBLAS matmuls and cuDNN convolutions (torch's defaults: False, True)."""
     torch.backends.cuda.matmul.allow_tf32 = matmul
     torch.backends.cudnn.allow_tf32 = conv
@@ -258,7 +259,9 @@ class Bench:
         def build():
             torch.manual_seed(SEED)
             model = work.build()
-            apply_resolved_plan_(model, study.graph, plan.precisions[self.spec.name], self.spec)
+            device_plan = plan.precisions[self.spec.name]
+            apply_resolved_plan_(model, study.graph, device_plan, self.spec)
+            set_tf32(plan_keeps_tf32_on(study.graph, device_plan, self.spec))  # as build_rank
             ddp = self._ddp(model.to(self.device))
             optimizer = make_optimizer(OPTIMIZER, ddp.parameters(), lr=LR)
             scaler = loss_scaler(model, cuda=self.cuda)
@@ -363,10 +366,9 @@ class Bench:
                 begin = time.monotonic()
                 try:
                     if name.startswith("torch:"):
-                        set_tf32(matmul=name == "torch:tf32", conv=name != "torch:eager_fp32")
+                        torch_tf32(matmul=name == "torch:tf32", conv=name != "torch:eager_fp32")
                         runner = self.torch_runner(work, name.removeprefix("torch:"))
                     else:
-                        set_tf32(matmul=False, conv=False)  # as the trainer sets them on CUDA
                         study = study or self.study(work)
                         if name not in plans:
                             plans[name] = self.plan(study, name)

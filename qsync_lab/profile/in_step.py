@@ -10,8 +10,9 @@ op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
    the follow rules would (:func:`~qsync_lab.quant.apply_op_precision_`; functional matmuls
    and linears through :func:`~qsync_lab.quant.low_precision_call`; ops the policy keeps
    in fp32 stay fp32), plus its loss;
-2. ``warmup + steps`` training steps (``zero_grad``, forward, ``backward``, an SGD step),
-   each op's call timed: the forward run node by node when torch.fx can trace the model,
+2. ``warmup + steps`` training steps (``zero_grad``, forward, ``backward``, an SGD step)
+   under the TF32 switches of a rank running the uniform plan (on for tf32, else off:
+   :func:`~qsync_lab.quant.native.tf32_throughout`), each op's call timed: the forward run node by node when torch.fx can trace the model,
    else the model run as is, its op modules timed from a first forward pre-hook to a last
    forward hook and its functional calls through a :class:`~qsync_lab.graph.ScopedCalls`
    mode, as the hook tracer records them (``method``; one
@@ -80,6 +81,7 @@ from qsync_lab.precision import Precision
 from qsync_lab.profile.device import profile_device, to_device
 from qsync_lab.profile.timing import HostTimer, hold_stream, timer_for
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
+from qsync_lab.quant.native import tf32_math
 
 __all__ = ["InStepTimes", "loss_root_on", "profiled_graph", "time_ops_in_steps"]
 
@@ -137,19 +139,20 @@ def time_ops_in_steps(model: nn.Module, example_inputs, target: torch.Tensor,
     runner = _runner(model, root, (*example_inputs, target), precision, device, method)
     optimizer = torch.optim.SGD(root.parameters(), lr=_LR, momentum=0.9)
     samples, ops = [], None
-    for step in range(warmup + steps):
-        optimizer.zero_grad(set_to_none=True)
-        runner.spans.reset()
-        loss = runner.run(*example_inputs, target)
-        loss.backward()
-        optimizer.step()
-        if ops is not None and runner.spans.ops != ops:
-            raise QSyncError("the op calls differ between training steps; the model's "
-                             "forward must be deterministic in structure")
-        ops = runner.spans.ops
-        spans_ns = runner.spans.times_ns()  # on CUDA: synchronises the step once
-        if step >= warmup:
-            samples.append(spans_ns)
+    with tf32_math(precision is Precision.TF32):
+        for step in range(warmup + steps):
+            optimizer.zero_grad(set_to_none=True)
+            runner.spans.reset()
+            loss = runner.run(*example_inputs, target)
+            loss.backward()
+            optimizer.step()
+            if ops is not None and runner.spans.ops != ops:
+                raise QSyncError("the op calls differ between training steps; the model's "
+                                 "forward must be deterministic in structure")
+            ops = runner.spans.ops
+            spans_ns = runner.spans.times_ns()  # on CUDA: synchronises the step once
+            if step >= warmup:
+                samples.append(spans_ns)
     forward, backward, forward_host, backward_host = np.median(samples, axis=0) / _NS_PER_US
     return InStepTimes(forward, backward, runner.spans.effective, forward_host, backward_host,
                        [_graph_name(name, model) for name in ops],

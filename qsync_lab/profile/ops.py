@@ -83,6 +83,7 @@ from qsync_lab.profile.in_step import (InStepTimes, loss_root_on, profiled_graph
                                        time_ops_in_steps)
 from qsync_lab.profile.timing import median_time_us
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
+from qsync_lab.quant.native import tf32_math
 
 __all__ = ["METHODS", "autograd_call_overhead_us", "profile_ops"]
 
@@ -197,8 +198,9 @@ def _isolated_times(model, example_inputs, target, loss_fn, work, repeats, warmu
         op = _runnable(calls[i], p)
         key = (i, op.effective)  # an op that refuses p runs fp32: one measurement serves
         if key not in timed:
-            timed[key] = op.time_phases(phases, repeats=repeats, warmup=warmup,
-                                        overhead_us=overhead_us, device=device)
+            with tf32_math(op.effective == "tf32"):  # as under a uniform plan's rank
+                timed[key] = op.time_phases(phases, repeats=repeats, warmup=warmup,
+                                            overhead_us=overhead_us, device=device)
         return {phase: (t, math.nan) for phase, t in timed[key].items() if phase in phases}
 
     return times

@@ -36,11 +36,12 @@ from qsync_lab.quant.apply import (apply_plan_, describe_precisions, restore_rou
 from qsync_lab.quant.functional import low_precision_call
 from qsync_lab.quant.modules import (PrecisionBoundary, QConv1d, QConv2d, QConv3d, QEmbedding,
                                      QLinear, QMatMul)
-from qsync_lab.quant.resolve import apply_op_precision_, apply_resolved_plan_, function_runs_in
+from qsync_lab.quant.resolve import (apply_op_precision_, apply_resolved_plan_, function_runs_in,
+                                     plan_keeps_tf32_on)
 
 __all__ = [
     "PrecisionBoundary", "QConv1d", "QConv2d", "QConv3d", "QEmbedding", "QLinear", "QMatMul",
     "apply_op_precision_", "apply_plan_", "apply_resolved_plan_", "describe_precisions",
-    "function_runs_in", "low_precision_call",
+    "function_runs_in", "low_precision_call", "plan_keeps_tf32_on",
     "restore_rounding_counters", "rounding_counters",
 ]

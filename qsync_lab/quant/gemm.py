@@ -111,12 +111,14 @@ class BilinearKernel(ABC):
         a_axis, b_axis: operand axes whose per-channel scales factor out of ``f``
             (None: per-tensor only).
         a_out_axis, b_out_axis: the output axes those channels become.
+        cudnn: whether its products are cuDNN's (whose TF32 switch is its own) or cuBLAS's.
     """
 
     a_axis: int | None = None
     b_axis: int | None = None
     a_out_axis: int = -1
     b_out_axis: int = -1
+    cudnn: bool = False
 
     @abstractmethod
     def forward(self, a: torch.Tensor, b: torch.Tensor,
@@ -220,6 +222,7 @@ class ConvKernel(BilinearKernel):
     """
 
     b_axis = 0
+    cudnn = True
 
     def __init__(self, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
                  groups: int) -> None:

@@ -58,9 +58,12 @@ class LowPrecisionOp:
         cls.op_float_class = mro[mro.index(LowPrecisionOp) + 1]
 
     def next_seeds(self, count: int) -> tuple[int, ...]:
-        """Stochastic-rounding seeds for this call's ``count`` operands (advances the call)."""
+        """Stochastic-rounding seeds for this call's ``count`` operands, zeros for an op that
+        rounds to nearest (it uses none); advances the call either way."""
         call = self.op_calls
-        self.op_calls = call + 1
+        self.__dict__["op_calls"] = call + 1  # a plain attribute: no nn.Module.__setattr__
+        if self.op_precision.rounding != "stochastic":
+            return (0,) * count
         return stream_seeds(self.op_seed, call, count)
 
     def extra_repr(self) -> str:

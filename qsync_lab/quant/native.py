@@ -12,8 +12,11 @@ fp16/bf16  operands cast to the dtype, torch's GEMM / convolution in it (tensor 
            the gradients in the dtype, cast back to each input's dtype (autograd's
            own backward where both passes share the dtype, so the ops launch what
            autocast's do)
-tf32       fp32 operands with torch's TF32 switches on around the op (cuBLAS and cuDNN),
-           off around fp32 ops, so fp32 means fp32
+tf32       fp32 operands with torch's TF32 switches (cuBLAS and cuDNN) on for the op's
+           GEMM in both passes: autograd's own backward, the switches flipped around the
+           forward and, by hooks on its autograd node, the backward; no flipping at all
+           where the rank keeps them on (:func:`tf32_throughout`: no fp32 GEMM on the
+           rank), so a tf32 plan launches what torch's TF32 mode does and fp32 means fp32
 int8       linear ops: per-tensor (input) and per-tensor or per-row (weight) scales
            computed on the device, codes by round-half-even,
            ``torch._int_mm`` (int32 accumulation), dequantized fp32 output; the backward
@@ -47,7 +50,7 @@ Example::
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +61,8 @@ from qsync_lab.precision import Precision
 from qsync_lab.quant.gemm import BilinearKernel, LinearKernel, cuda_capability
 
 __all__ = ["EXECUTIONS", "HALF_DTYPES", "execution", "fp32_inputs", "native_bilinear",
-           "native_cast", "native_embedding", "runs_native", "tf32_math"]
+           "native_cast", "native_embedding", "runs_native", "set_tf32", "tf32_math",
+           "tf32_throughout"]
 
 #: how low-precision ops run: by the operand's device, or forced one way
 EXECUTIONS = ("auto", "native", "emulated")
@@ -95,7 +99,8 @@ def runs_native(t: torch.Tensor) -> bool:
 
 class tf32_math:
     """Context manager: let cuBLAS and cuDNN use TF32 for fp32 products (``on``) or not,
-    then restore (a class, not a generator: it wraps every native float op)."""
+    then restore (a class, not a generator: it wraps every native float op). Its
+    :meth:`pre_hook` and :meth:`post_hook` do the same around an autograd node."""
 
     __slots__ = ("on", "before")
 
@@ -105,11 +110,40 @@ class tf32_math:
     def __enter__(self) -> None:
         self.before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         if self.before != (self.on, self.on):
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
+            set_tf32(self.on)
 
     def __exit__(self, *exc) -> None:
         if self.before != (self.on, self.on):
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.before
+
+    def pre_hook(self, grad_outputs) -> None:
+        """Switch, before the node's backward runs."""
+        self.__enter__()
+
+    def post_hook(self, grad_inputs, grad_outputs) -> None:
+        """Restore, after it ran."""
+        self.__exit__()
+
+
+def set_tf32(on: bool) -> None:
+    """Turn torch's TF32 switches for fp32 products, cuBLAS's and cuDNN's, on or off."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+
+
+def tf32_throughout(configs: Iterable[OpPrecision]) -> bool:
+    """Whether a rank whose GEMM ops run ``configs`` keeps the TF32 switches on for its whole
+    step: some pass computes in tf32 and none in fp32. Its tf32 ops then flip nothing (they
+    launch what torch's TF32 mode does); GEMMs outside the plan use TF32 too, as there.
+
+    Example::
+
+        >>> tf32_throughout([OpPrecision.parse("tf32"), OpPrecision.parse("bf16")])
+        True
+        >>> tf32_throughout([OpPrecision.parse("tf32"), OpPrecision.parse("fp32")])
+        False
+    """
+    passes = {p for cfg in configs for p in (cfg.forward, cfg.backward_precision)}
+    return Precision.TF32 in passes and Precision.FP32 not in passes
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,11 +169,15 @@ def native_bilinear(kernel: BilinearKernel, a: torch.Tensor, b: torch.Tensor,
     """``kernel.forward(a, b, bias)`` with torch's kernels for ``cfg``, or None when the
     pair has none here (the caller then emulates it). See the module docstring."""
     forward = cfg.forward
-    if forward is cfg.backward_precision and forward is not Precision.TF32 and \
-            forward in _FLOAT_DTYPES:  # autograd's own backward, in the same dtype
-        dtype = _FLOAT_DTYPES[forward]
-        return kernel.forward(_cast(a, dtype), _cast(b, dtype),
-                              None if bias is None else _cast(bias, dtype))
+    if forward is cfg.backward_precision and forward in _FLOAT_DTYPES:
+        dtype = _FLOAT_DTYPES[forward]  # autograd's own backward, in the same dtype
+        a, b = _cast(a, dtype), _cast(b, dtype)
+        bias = None if bias is None else _cast(bias, dtype)
+        if dtype in HALF_DTYPES or _tf32_switch(kernel) is (forward is Precision.TF32):
+            return kernel.forward(a, b, bias)
+        out = _tf32_switched(kernel, a, b, bias, forward is Precision.TF32)
+        if out is not None:
+            return out
     if forward in _FLOAT_DTYPES and cfg.backward_precision in _FLOAT_DTYPES:
         return _NativeFloat.apply(a, b, bias, kernel, forward, cfg.backward_precision)
     if not isinstance(kernel, LinearKernel) or cfg.rounding != "nearest":
@@ -164,6 +202,52 @@ def native_embedding(indices: torch.Tensor, weight: torch.Tensor, cfg: OpPrecisi
         return None
     rows = F.embedding(indices, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
     return rows.to(_FLOAT_DTYPES[cfg.forward])
+
+
+def _tf32_switch(kernel: BilinearKernel) -> bool:
+    """The TF32 switch ``kernel``'s products read now: cuDNN's for a convolution, else
+    cuBLAS's."""
+    return (torch.backends.cudnn if kernel.cudnn else torch.backends.cuda.matmul).allow_tf32
+
+
+#: autograd nodes of the products ``BilinearKernel.forward`` makes, and of the reshapes
+#: and bias addition it may put after them (names without the version digit)
+_PRODUCT_NODES = frozenset({"AddmmBackward", "MmBackward", "BmmBackward", "MvBackward",
+                            "DotBackward", "ConvolutionBackward"})
+_AFTER_PRODUCT = frozenset({"ViewBackward", "UnsafeViewBackward", "SqueezeBackward",
+                            "AddBackward"})
+
+
+def _product_node(node):
+    """The autograd node of the product behind an op's output node, following the
+    reshapes after it (their first input); None where the chain is another one."""
+    for _ in range(4):
+        name = node.name().rstrip("0123456789") if node is not None else ""
+        if name in _PRODUCT_NODES:
+            return node
+        if name not in _AFTER_PRODUCT:
+            return None
+        node = node.next_functions[0][0]
+    return None
+
+
+def _tf32_switched(kernel: BilinearKernel, a: torch.Tensor, b: torch.Tensor,
+                   bias: torch.Tensor | None, on: bool) -> torch.Tensor | None:
+    """``kernel.forward`` with the TF32 switches ``on`` around it and, by hooks on its
+    product's autograd node, around that node's backward (autograd's own: no autograd
+    function); None where the product's node is not found (the caller then runs the op
+    again through an autograd function)."""
+    with tf32_math(on):
+        out = kernel.forward(a, b, bias)
+    if out.grad_fn is None:
+        return out
+    node = _product_node(out.grad_fn)
+    if node is None:
+        return None
+    switch = tf32_math(on)
+    node.register_prehook(switch.pre_hook)
+    node.register_hook(switch.post_hook)
+    return out
 
 
 def _int8_fits(a: torch.Tensor, m: int, k: int, n: int) -> bool:

@@ -15,15 +15,17 @@ from torch import nn
 from qsync_lab.costs import op_work
 from qsync_lab.graph.kinds import function_kind, module_kind
 from qsync_lab.graph.records import op_name_of
-from qsync_lab.policy import (PLANNABLE_KINDS, ROUNDED_OUTPUTS, KindPlan, OpPrecision,
-                              function_refusal, kind_allows, module_refusal, resolve_precisions)
+from qsync_lab.policy import (GEMM_KINDS, PLANNABLE_KINDS, ROUNDED_OUTPUTS, KindPlan,
+                              OpPrecision, function_refusal, kind_allows, module_refusal,
+                              resolve_precisions)
 from qsync_lab.precision import Precision
 from qsync_lab.quant.apply import apply_plan_
 from qsync_lab.quant.functional import functional_precisions
-from qsync_lab.quant.native import fp32_inputs
+from qsync_lab.quant.native import fp32_inputs, tf32_throughout
 from qsync_lab.quant.registry import handler_for
 
-__all__ = ["apply_op_precision_", "apply_resolved_plan_", "function_runs_in"]
+__all__ = ["apply_op_precision_", "apply_resolved_plan_", "function_runs_in",
+           "plan_keeps_tf32_on"]
 
 _GUARDED = "qsync_fp32_inputs"  # set on a module once it has the fp32-inputs hook
 
@@ -43,8 +45,7 @@ def apply_resolved_plan_(model: nn.Module, graph, device_plan: KindPlan,
         >>> apply_resolved_plan_(model, graph, {"0": "bf16"}, load_catalog().device("cpu"))
         {'0': 'bf16/bf16 nearest tensor', '1': 'bf16/bf16 nearest tensor'}
     """
-    work = op_work(graph)
-    assignment = resolve_precisions(work, dict(device_plan), device)
+    work, assignment = _resolved(graph, device_plan, device)
     planned = {work.names[i]: cfg for i, cfg in assignment.planned.items()}
     apply_plan_(model, planned, device=device)
     modules = dict(model.named_modules())
@@ -63,6 +64,34 @@ def apply_resolved_plan_(model: nn.Module, graph, device_plan: KindPlan,
     if any(p in ROUNDED_OUTPUTS for p in assignment.output):
         _guard_fp32_ops(model, modules, fp32_gemms)
     return applied
+
+
+def plan_keeps_tf32_on(graph, device_plan: KindPlan, device) -> bool:
+    """Whether a rank running ``device_plan`` keeps torch's TF32 switches on for its whole
+    step (:func:`~qsync_lab.quant.native.tf32_throughout` of its GEMM ops, as resolved).
+
+    Example::
+
+        >>> import torch, torch.nn as nn
+        >>> from qsync_lab.devices import load_catalog
+        >>> from qsync_lab.graph import trace_graph
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> graph = trace_graph(model, torch.randn(3, 4))
+        >>> h100 = load_catalog().device("H100-SXM5-80GB")
+        >>> plan_keeps_tf32_on(graph, {"0": "tf32", "2": "tf32"}, h100)
+        True
+        >>> plan_keeps_tf32_on(graph, {"0": "tf32"}, h100)  # "2" computes in fp32
+        False
+    """
+    work, assignment = _resolved(graph, device_plan, device)
+    return tf32_throughout(assignment.config(i) for i, kind in enumerate(work.kinds)
+                           if kind in GEMM_KINDS)
+
+
+def _resolved(graph, device_plan: KindPlan, device):
+    """The graph's op work and the precisions the policy resolves for ``device_plan``."""
+    work = op_work(graph)
+    return work, resolve_precisions(work, dict(device_plan), device)
 
 
 def _guard_fp32_ops(model: nn.Module, modules: dict[str, nn.Module], names: list[str]) -> None:

@@ -4,7 +4,10 @@ Every rank builds the same model (seeded), traces it on its own batch size, chec
 every rank agrees on the plan, model, cluster and settings
 (:func:`~qsync_lab.runtime.agreement.check_ranks_agree`) and that the plan fits the model,
 applies its device kind's precisions as the simulator resolves them
-(:func:`~qsync_lab.quant.resolve.apply_resolved_plan_`), and wraps the model in DDP (plain
+(:func:`~qsync_lab.quant.resolve.apply_resolved_plan_`), sets a CUDA rank's TF32 switches
+(on for the whole step where no GEMM op computes in fp32:
+:func:`~qsync_lab.quant.resolve.plan_keeps_tf32_on`; else off, and the tf32 ops switch
+them on around themselves), and wraps the model in DDP (plain
 allreduce, or the plan's gradient compression hooks) with its optimizer and loss scaler
 (:func:`~qsync_lab.runtime.optimizer_step.loss_scaler`).
 """
@@ -17,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from qsync_lab.graph import OpGraph, trace_graph
 from qsync_lab.optimizers import make_optimizer
-from qsync_lab.quant import apply_resolved_plan_
+from qsync_lab.quant import apply_resolved_plan_, plan_keeps_tf32_on
+from qsync_lab.quant.native import set_tf32
 from qsync_lab.runtime.agreement import check_ranks_agree
 from qsync_lab.runtime.optimizer_step import loss_scaler
 from qsync_lab.runtime.rank_context import RankContext
@@ -55,6 +59,11 @@ def build_rank(ctx: RankContext) -> RankModel:
     ctx.plan.validate(graph, ctx.cluster)  # and before DDP's or the hooks' collectives
     device_spec = ctx.cluster.catalog.device(ctx.kind)
     applied = apply_resolved_plan_(model, graph, ctx.plan.precisions[ctx.kind], device_spec)
+    if ctx.cuda:
+        tf32 = plan_keeps_tf32_on(graph, ctx.plan.precisions[ctx.kind], device_spec)
+        set_tf32(tf32)
+        if tf32:
+            ctx.note("TF32 on for the whole step: no GEMM op of this rank computes in fp32")
     model = model.to(ctx.device)
     ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.cuda else None)
     compression = None

@@ -62,8 +62,6 @@ class RankContext:
                 peers = [r for r in self.cluster.ranks if r.sms is not None
                          and (r.node, r.gpu_index) == (me.node, me.gpu_index)]
                 enter_sm_partition([r.sms for r in peers], peers.index(me), self.device.index)
-            # fp32 ops compute in fp32; tf32 ops switch TF32 on around themselves
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         if config.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)

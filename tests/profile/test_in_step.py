@@ -10,6 +10,7 @@ from torch import nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.profile import profile_ops
 from qsync_lab.profile.in_step import time_ops_in_steps
+from qsync_lab.quant.native import set_tf32
 
 SLEEP_S = 0.03
 SLEEP_US = SLEEP_S * 1e6
@@ -84,6 +85,39 @@ def test_precisions_are_set_where_ops_take_them_and_the_model_is_untouched():
     assert t.effective == ["int8", "fp32", "int8", "fp32"]  # ReLU and the loss refuse int8
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert type(model[0]) is nn.Linear
+
+
+class SwitchProbe(nn.Module):
+    """An op that records whether cuBLAS's TF32 switch is on when it runs (in ``seen``,
+    shared by the copies the profiler makes)."""
+
+    op_kind = "activation"
+    seen: set = set()
+
+    def forward(self, x):
+        SwitchProbe.seen.add(torch.backends.cuda.matmul.allow_tf32)
+        return x * 1
+
+
+def test_steps_run_under_the_tf32_switches_of_a_uniform_plans_rank():
+    """A tf32 run keeps TF32 on throughout its steps (as a rank running the tf32 plan): an
+    op between the GEMMs sees it on; other precisions run with it off; restored after."""
+    inputs, target = _batch()
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    set_tf32(False)
+    try:
+        seen = {}
+        for precision in ("fp32", "bf16", "tf32"):
+            model = nn.Sequential(nn.Linear(8, 8), SwitchProbe(), nn.Linear(8, 3))
+            SwitchProbe.seen = set()
+            t = time_ops_in_steps(model, inputs, target, nn.CrossEntropyLoss(), precision,
+                                  steps=1, warmup=0)
+            assert t.effective[0] == precision
+            seen[precision] = SwitchProbe.seen
+        assert seen == {"fp32": {False}, "bf16": {False}, "tf32": {True}}
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_in_step_rows_have_the_isolated_rows_keys_and_split_the_backward():

@@ -16,7 +16,8 @@ from qsync_lab.devices import load_catalog
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.quant import apply_plan_, apply_resolved_plan_
-from qsync_lab.quant.native import execution, runs_native
+from qsync_lab.quant import native
+from qsync_lab.quant.native import execution, runs_native, set_tf32
 from tests.gemm_calls import GemmCalls
 
 #: "native": CPU tensors forced through the native path; "cuda": a GPU as it runs
@@ -87,6 +88,70 @@ def test_tf32_switches_are_on_around_tf32_ops_only(linear, device):
     assert [on for *_, on in tf32_kernels.calls] == [True, True, True]
     assert [on for *_, on in mixed_kernels.calls] == [False, True, True]
     assert not torch.backends.cuda.matmul.allow_tf32  # restored
+
+
+@pytest.fixture
+def tf32_off():
+    """The switches as a rank with fp32 GEMMs has them (off), restored after the test."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    set_tf32(False)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tf32_ops_switch_their_backward_by_hooks_and_leave_fp32_ops_alone(device, tf32_off):
+    """In a step of tf32, fp32 and tf32 layers the backward of each GEMM sees its own
+    layer's switch, though autograd runs them (autograd's own nodes, no function)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8))
+    apply_plan_(model, {"0": "tf32", "2": "tf32"})
+    out, kernels = _step(model, torch.randn(4, 3, 16), device)
+    # forward 0, 1, 2; backward 2, 1, 0 (two gradients each)
+    assert [on for *_, on in kernels.calls] == [True, False, True, True, True, False, False,
+                                                True, True]
+    assert not torch.backends.cuda.matmul.allow_tf32  # restored
+    assert "Backward" in out.grad_fn.name()  # torch's node, not an autograd function
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_tf32_kept_on_tf32_ops_run_as_plain_ops(linear, device, tf32_off):
+    layer, x = linear
+    apply_plan_(layer, {"": "tf32"})
+    set_tf32(True)
+    out, kernels = _step(layer, x, device)
+    assert [on for *_, on in kernels.calls] == [True, True, True]
+    assert out.grad_fn.name() == "AddmmBackward0"
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def test_tf32_ops_whose_product_node_is_not_found_switch_through_a_function(
+        linear, monkeypatch, tf32_off):
+    layer, x = linear
+    reference = copy.deepcopy(layer)
+    apply_plan_(layer, {"": "tf32"})
+    monkeypatch.setattr(native, "_PRODUCT_NODES", frozenset())
+    out, kernels = _step(layer, x)
+    # the forward whose node was not found, the function's forward, its two gradients
+    assert [on for *_, on in kernels.calls] == [True, True, True, True]
+    assert out.grad_fn.name() == "_NativeFloatBackward"
+    _step(reference, x)
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Linear(8, 5), (3, 8)), (lambda: nn.Linear(8, 5, bias=False), (2, 3, 8)),
+    (lambda: nn.Conv2d(4, 8, 3, padding=1), (2, 4, 6, 6))])
+def test_tf32_ops_compute_the_gradients_of_their_fp32_module(make, shape, tf32_off):
+    """On the CPU a tf32 product is an fp32 one: the hooked path gives fp32's gradients."""
+    torch.manual_seed(0)
+    reference, x = make(), torch.randn(*shape)
+    planned = copy.deepcopy(reference)
+    apply_plan_(planned, {"": "tf32"})
+    for model in (reference, planned):
+        _step(model, x)
+    for want, got in zip(reference.parameters(), planned.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
