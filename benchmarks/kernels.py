@@ -1,7 +1,7 @@
 """Throughput of the quantization kernels beside memory bandwidth and torch equivalents.
 
 Run: ``.venv/bin/python benchmarks/kernels.py [--elements 67108864] [--repeats 5] [--only TEXT]
-[--devices cpu cuda]``
+[--devices cpu cuda] [--launch-elements 65536]``
 
 For each routine on a float32 input of ``--elements`` elements it prints GB/s of bytes read
 plus bytes written (counted per element in the ``B/elem`` column; fused routines count every
@@ -19,6 +19,15 @@ once (its NaN/Inf check is fused), abs-max + quantize reads it twice. The per-ch
 view x as ``[elements / 4096, 4096]`` and take the channels along the last axis (one scale
 per column). The 1-minute load average is printed before and after: compare only runs on a
 quiet machine (timings of memory-bound loops on 2 cores halve under a competing job).
+
+A second table per device gives each routine's launch overhead at ``--launch-elements``
+(65,536) elements, where the work is small and a call costs what issuing it costs: the
+host's µs per call (:data:`LAUNCH_CALLS` calls back to back, one synchronise after them,
+so on a GPU the host only issues them) and, on CUDA, the device's µs per call (the same
+calls queued behind a spin kernel, :func:`~qsync_lab.profile.timing.hold_stream`, so CUDA
+events time the kernels alone), for ours (``out=`` where it has one) and torch's
+equivalent. Where host µs exceed device µs, a training step that calls the routine is
+bound by its launches, not by bandwidth.
 """
 
 import os
@@ -58,6 +67,7 @@ def _median_s(fn, repeats, sync):
 
 
 _CHANNELS = 4096
+LAUNCH_CALLS = 50  #: calls per launch-overhead sample
 
 
 def _per_channel(x):
@@ -218,6 +228,52 @@ def _table(x, repeats, sync, label, only=None):
               f"{f'{t_gbs:.1f}' if t_gbs else '-':>10} {ratio:>20}", flush=True)
 
 
+def _launch_table(x, repeats, sync, label, only=None):
+    """Host (and, on CUDA, device) µs per call of every routine on the small ``x``."""
+    print(f"\n{label}, launch overhead: {x.numel():,} float32 elements, µs per call, median "
+          f"of {repeats} x {LAUNCH_CALLS} calls")
+    head = f"{'routine':34} {'host us':>8} {'device us':>9} {'torch host':>10} " \
+           f"{'torch device':>12}"
+    print(head)
+    print("-" * len(head))
+    for name, _, ours, ours_out, theirs in _routines(x):
+        if only and not any(o.lower() in name.lower() for o in only):
+            continue
+        cols = []
+        for fn in (ours_out or ours, theirs):
+            try:
+                cols += _per_call_us(fn, x, repeats, sync) if fn else [None, None]
+            except (RuntimeError, NotImplementedError):  # a CPU-only torch op on CUDA
+                cols += [None, None]
+        text = [f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
+                for v, w in zip(cols, (8, 9, 10, 12))]
+        print(f"{name:34} {' '.join(text)}", flush=True)
+
+
+def _per_call_us(fn, x, repeats, sync):
+    """[host µs per call, device µs per call (None off CUDA)] of ``fn``."""
+    def calls():
+        for _ in range(LAUNCH_CALLS):
+            fn()
+
+    host_us = _median_s(calls, repeats, sync) * 1e6 / LAUNCH_CALLS
+    if not x.is_cuda:
+        return [host_us, None]
+    from qsync_lab.profile.timing import hold_stream
+
+    samples = []
+    for _ in range(repeats):
+        sync()
+        hold_stream(x.device, 2 * host_us * LAUNCH_CALLS + 1000)  # outlasts the issuing
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        calls()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / LAUNCH_CALLS)
+    return [host_us, statistics.median(samples)]
+
+
 def _torch_gbs(theirs, nbytes, repeats, sync):
     """The torch equivalent's GB/s, or None where there is none (or none on this device)."""
     if theirs is None:
@@ -232,20 +288,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=64 * 2**20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--launch-elements", type=int, default=2**16,
+                        help="elements of the launch-overhead table (0: no such table)")
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="run only routines whose name contains TEXT (repeatable)")
     parser.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=["cpu", "cuda"],
                         help="the tables to print (cuda: when CUDA is available)")
     args = parser.parse_args()
+    if min(args.elements, args.launch_elements or _CHANNELS) < _CHANNELS:
+        parser.error(f"--elements and --launch-elements need at least {_CHANNELS} (one row "
+                     "of the per-channel routines' channels)")
     x = torch.randn(args.elements, generator=torch.Generator().manual_seed(0))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"numba {numba.__version__} ({numba.get_num_threads()} threads); "
           f"load average {_load()} at start")
+    small = x[: args.launch_elements].clone()
     if "cpu" in args.devices:
         _table(x, args.repeats, lambda: None, "CPU", args.only)
+        if args.launch_elements:
+            _launch_table(small, args.repeats, lambda: None, "CPU", args.only)
     if "cuda" in args.devices and torch.cuda.is_available():
-        _table(x.cuda(), args.repeats, torch.cuda.synchronize,
-               f"CUDA ({torch.cuda.get_device_name()})", args.only)
+        label = f"CUDA ({torch.cuda.get_device_name()})"
+        _table(x.cuda(), args.repeats, torch.cuda.synchronize, label, args.only)
+        if args.launch_elements:
+            _launch_table(small.cuda(), args.repeats, torch.cuda.synchronize, label, args.only)
     elif "cuda" in args.devices:
         print("\nCUDA: not available, GPU table skipped")
     print(f"load average {_load()} at end")
