@@ -118,6 +118,7 @@ def _step(module: nn.Module, inputs: tuple, tf32_on: bool, autocast, device: str
 def run(device: str, repeats: int) -> pd.DataFrame:
     """One row per (op, variant): median µs of a forward+backward, x eager fp32, aten calls."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     rows = []
     for op, shape, module, inputs in _cases():
         module, inputs = module.to(device), tuple(t.to(device) for t in inputs)
@@ -143,7 +144,7 @@ def run(device: str, repeats: int) -> pd.DataFrame:
         us = [statistics.median(times) for times in samples]
         rows += [(op, shape, label, t, t / us[0], n)
                  for (label, *_), t, n in zip(variants, us, calls)]
-    set_tf32(False)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     return pd.DataFrame(rows, columns=["op", "shape", "variant", "us", "x eager fp32",
                                        "aten calls"])
 

@@ -15,9 +15,10 @@ def test_the_table_counts_what_each_way_of_running_an_op_dispatches(tmp_path, mo
     import op_overhead
 
     from qsync_lab.quant.native import execution
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     with execution("native"):
         table = op_overhead.run("cpu", repeats=2)
-    assert not torch.backends.cuda.matmul.allow_tf32  # left off
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
     calls = table.set_index(["op", "variant"])["aten calls"]
     for op in ("linear", "conv2d", "matmul"):
         # a tf32 op in a rank that keeps TF32 on runs exactly what torch's TF32 mode does
