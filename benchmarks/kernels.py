@@ -194,6 +194,17 @@ def _routines(x):
     ]
 
 
+def _selected_routines(x, only, columns: str):
+    """Print a table's head (``routine`` then ``columns``); yield the routines whose names
+    contain one of ``only`` (all without it)."""
+    head = f"{'routine':34} {columns}"
+    print(head)
+    print("-" * len(head))
+    for routine in _routines(x):
+        if not only or any(o.lower() in routine[0].lower() for o in only):
+            yield routine
+
+
 def _table(x, repeats, sync, label, only=None):
     n = x.numel()
     dst = torch.empty_like(x)
@@ -207,13 +218,9 @@ def _table(x, repeats, sync, label, only=None):
     copy_gbs = 8 * n / copy_s / 1e9
     print(f"\n{label}: {n:,} float32 elements, median of {repeats}; copy = {copy_gbs:.1f} GB/s "
           "(read + write)")
-    head = f"{'routine':34} {'B/elem':>6} {'alloc GB/s':>10} {'%copy':>5} {'out= GB/s':>9} " \
-           f"{'%copy':>5} {'torch GB/s':>10} {'x torch (alloc/out=)':>20}"
-    print(head)
-    print("-" * len(head))
-    for name, bpe, ours, ours_out, theirs in _routines(x):
-        if only and not any(o.lower() in name.lower() for o in only):
-            continue
+    for name, bpe, ours, ours_out, theirs in _selected_routines(
+            x, only, f"{'B/elem':>6} {'alloc GB/s':>10} {'%copy':>5} {'out= GB/s':>9} "
+            f"{'%copy':>5} {'torch GB/s':>10} {'x torch (alloc/out=)':>20}"):
         try:
             gbs = [bpe * n / _median_s(f, repeats, sync) / 1e9 if f else None
                    for f in (ours, ours_out)]
@@ -232,13 +239,8 @@ def _launch_table(x, repeats, sync, label, only=None):
     """Host (and, on CUDA, device) µs per call of every routine on the small ``x``."""
     print(f"\n{label}, launch overhead: {x.numel():,} float32 elements, µs per call, median "
           f"of {repeats} x {LAUNCH_CALLS} calls")
-    head = f"{'routine':34} {'host us':>8} {'device us':>9} {'torch host':>10} " \
-           f"{'torch device':>12}"
-    print(head)
-    print("-" * len(head))
-    for name, _, ours, ours_out, theirs in _routines(x):
-        if only and not any(o.lower() in name.lower() for o in only):
-            continue
+    for name, _, ours, ours_out, theirs in _selected_routines(
+            x, only, f"{'host us':>8} {'device us':>9} {'torch host':>10} {'torch device':>12}"):
         cols = []
         for fn in (ours_out or ours, theirs):
             try:
