@@ -344,6 +344,9 @@ def test_lab_builds_a_local_voila_command_without_the_token():
             "--Voila.port_retries=0", "--Voila.auto_token=True",
             "--MappingKernelManager.cull_idle_timeout=60",
             "--MappingKernelManager.cull_interval=15", "--template=qsync"} == set(command[4:])
+    shorter = voila_command(Path("tuner.ipynb"), port=8123, idle_s=6)
+    assert {"--MappingKernelManager.cull_idle_timeout=6",
+            "--MappingKernelManager.cull_interval=1"} <= set(shorter)
 
 
 def test_the_lab_app_is_the_tuner_panel_alone():
@@ -373,6 +376,12 @@ def test_lab_without_its_notebook_is_one_line(capsys, tmp_path):
     assert code == 2 and out == ""
     assert err == f"qsync-lab: error: notebook {tmp_path / 'none.ipynb'} not found; pass " \
         "--notebook PATH\n"
+
+
+def test_lab_with_a_negative_idle_time_is_one_line(capsys):
+    code, out, err = run(capsys, "lab", "--idle-s", "-1")
+    assert code == 2 and out == ""
+    assert err == "qsync-lab: error: --idle-s must be 0 (never stop) or more seconds, got -1\n"
 
 
 def test_lab_without_voila_says_what_to_install(capsys, tmp_path, monkeypatch):

@@ -16,23 +16,29 @@ from pathlib import Path
 from qsync_lab.errors import QSyncError
 from qsync_lab.resources import data_file
 
-__all__ = ["LAB_CULL_INTERVAL_S", "LAB_KERNEL_IDLE_S", "LAB_NOTEBOOK", "LAB_PORT", "LAB_TEMPLATE",
+__all__ = ["LAB_KERNEL_IDLE_S", "LAB_NOTEBOOK", "LAB_PORT", "LAB_TEMPLATE", "cull_interval_s",
            "lab_command", "lab_environment", "voila_command"]
 
 #: what ``qsync-lab lab`` serves by default: the lab app, the tuner's panel alone
 LAB_NOTEBOOK = Path(str(data_file("lab.ipynb")))
-#: seconds a lab kernel may sit idle with no page attached before Voila stops it, and how
-#: often Voila looks
-LAB_KERNEL_IDLE_S, LAB_CULL_INTERVAL_S = 60, 15
+#: seconds a lab kernel may sit idle with no page attached before Voila stops it (by default)
+LAB_KERNEL_IDLE_S = 60
 LAB_TEMPLATE = "qsync"  # data/voila/templates/qsync
 LAB_PORT = 8866
 
 
-def voila_command(notebook: "str | os.PathLike[str]", *, port: int) -> list[str]:
+def cull_interval_s(idle_s: int) -> int:
+    """How often Voila looks for kernels idle ``idle_s`` seconds: a quarter of it, at least
+    every second."""
+    return max(1, idle_s // 4)
+
+
+def voila_command(notebook: "str | os.PathLike[str]", *, port: int,
+                  idle_s: int = LAB_KERNEL_IDLE_S) -> list[str]:
     """The command that serves ``notebook`` with Voila on 127.0.0.1:``port`` (that port or
     none), opening no browser, behind the token in ``$JUPYTER_TOKEN`` (an environment
     variable: other users of the machine cannot read it from the process list), stopping
-    the kernel of a closed page once it has been idle :data:`LAB_KERNEL_IDLE_S` seconds, in
+    the kernel of a closed page once it has been idle ``idle_s`` seconds (0: never), in
     the shipped page template (Voila's lab page without its stylesheets from a CDN; Voila
     finds it through :func:`lab_environment`'s ``JUPYTER_PATH``).
 
@@ -46,8 +52,8 @@ def voila_command(notebook: "str | os.PathLike[str]", *, port: int) -> list[str]
     """
     return [sys.executable, "-m", "voila", str(notebook), "--no-browser", "--Voila.ip=127.0.0.1",
             f"--Voila.port={port}", "--Voila.port_retries=0", "--Voila.auto_token=True",
-            f"--MappingKernelManager.cull_idle_timeout={LAB_KERNEL_IDLE_S}",
-            f"--MappingKernelManager.cull_interval={LAB_CULL_INTERVAL_S}",
+            f"--MappingKernelManager.cull_idle_timeout={idle_s}",
+            f"--MappingKernelManager.cull_interval={cull_interval_s(idle_s)}",
             f"--template={LAB_TEMPLATE}"]
 
 
@@ -80,9 +86,11 @@ def lab_command(args) -> None:
                          "repository (the notebook extra)")
     if not args.root.is_dir():
         raise QSyncError(f"--root {args.root} is not a folder; pass an existing one")
+    if args.idle_s < 0:
+        raise QSyncError(f"--idle-s must be 0 (never stop) or more seconds, got {args.idle_s}")
     token = secrets.token_urlsafe(32)
     print(f"serving {args.notebook} at http://127.0.0.1:{args.port}/?token={token} "
           f"(exports go to {args.root.resolve()}; Ctrl-C stops it)", flush=True)
-    command = voila_command(args.notebook, port=args.port)
+    command = voila_command(args.notebook, port=args.port, idle_s=args.idle_s)
     os.execve(command[0], command, {**os.environ, "JUPYTER_TOKEN": token,
                                     **lab_environment(args.model, args.cluster, args.root)})

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from qsync_lab.cli import commands
-from qsync_lab.cli.lab import LAB_NOTEBOOK, LAB_PORT, lab_command
+from qsync_lab.cli.lab import LAB_KERNEL_IDLE_S, LAB_NOTEBOOK, LAB_PORT, lab_command
 from qsync_lab.optimizers import OPTIMIZER_STATES
 from qsync_lab.runtime.options import runtime_parser
 
@@ -177,6 +177,9 @@ def _add_lab_parser(sub) -> None:
                      help="folder exports are written into (default: the current one)")
     lab.add_argument("--notebook", type=Path, default=LAB_NOTEBOOK,
                      help="notebook to serve instead of the lab app (e.g. a tutorial)")
+    lab.add_argument("--idle-s", type=int, default=LAB_KERNEL_IDLE_S,
+                     help="stop a closed page's kernel after it sat idle this many seconds "
+                     f"(default {LAB_KERNEL_IDLE_S}; 0: never)")
     lab.set_defaults(run=lab_command)
 
 

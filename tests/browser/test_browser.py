@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qsync_lab.cli.lab import (LAB_CULL_INTERVAL_S, LAB_KERNEL_IDLE_S, LAB_NOTEBOOK,
-                               lab_environment, voila_command)
+from qsync_lab.cli.lab import LAB_NOTEBOOK, cull_interval_s, lab_environment, voila_command
 from qsync_lab.report import write_report
 from qsync_lab.study import Study
 
@@ -36,6 +35,7 @@ REDRAW_S = 60
 RENDER_S = 30
 STOP_S = 30
 RUN_S = 300
+IDLE_S = 15  # a closed page's kernel is stopped after this (qsync-lab lab's --idle-s)
 T4_MEMORY = "T4 memory (GiB)"
 THROUGHPUT = "throughput target (samples/s)"
 USABLE_COLD_S = 60  # from the page's request to the first plan drawn (60 s cold)
@@ -68,12 +68,12 @@ def browser():
 
 
 def _serve(notebook: Path, tmp_path: Path, env: dict[str, str]):
-    """Voila serving ``notebook`` as ``qsync-lab lab`` does, behind a fresh token: (URL,
-    server pid); stopped (its kernels too) after the test."""
+    """Voila serving ``notebook`` as ``qsync-lab lab --idle-s`` :data:`IDLE_S` does, behind a
+    fresh token: (URL, server pid); stopped (its kernels too) after the test."""
     token = secrets.token_urlsafe(16)
     port = _free_port()
     with open(tmp_path / "voila.log", "w") as log:
-        server = subprocess.Popen(voila_command(notebook, port=port), stdout=log,
+        server = subprocess.Popen(voila_command(notebook, port=port, idle_s=IDLE_S), stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True,
                                   env={**os.environ, "JUPYTER_TOKEN": token, **env})
     _wait_listening(server, port, tmp_path / "voila.log")
@@ -162,7 +162,7 @@ def test_the_kernel_of_a_closed_page_is_stopped_and_the_open_ones_kept(browser, 
     assert len(_kernels(server)) == 2
     browser.close()
     browser.switch_to.window(first)
-    deadline = time.monotonic() + LAB_KERNEL_IDLE_S + 4 * LAB_CULL_INTERVAL_S
+    deadline = time.monotonic() + IDLE_S + 4 * cull_interval_s(IDLE_S)
     while len(_kernels(server)) > 1 and time.monotonic() < deadline:
         time.sleep(2)
     assert len(_kernels(server)) == 1 and _summary(browser)
