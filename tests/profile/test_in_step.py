@@ -10,6 +10,7 @@ from torch import nn
 from qsync_lab.errors import QSyncError
 from qsync_lab.profile import profile_ops
 from qsync_lab.profile.in_step import time_ops_in_steps
+from qsync_lab.quant import native
 from qsync_lab.quant.native import set_tf32
 
 SLEEP_S = 0.03
@@ -115,6 +116,25 @@ def test_steps_run_under_the_tf32_switches_of_a_uniform_plans_rank():
             assert t.effective[0] == precision
             seen[precision] = SwitchProbe.seen
         assert seen == {"fp32": {False}, "bf16": {False}, "tf32": {True}}
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("method", ["in_step", "isolated"])
+def test_tf32_ops_are_profiled_as_a_rank_that_keeps_tf32_on_runs_them(method, monkeypatch):
+    """Natively, a profiled tf32 op runs as the plain torch call (TF32 kept on): the path
+    that switches around a single op is never taken."""
+    inputs, target = _batch()
+    monkeypatch.setattr(native, "_tf32_switched", None)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    set_tf32(False)
+    try:
+        with native.execution("native"):
+            rows = profile_ops(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)),
+                               inputs, target, nn.CrossEntropyLoss(), ["tf32"], repeats=1,
+                               warmup=0, method=method, progress=False)
+        assert set(rows.loc[rows["kind"] == "linear", "precision"]) >= {"tf32"}
         assert not torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
