@@ -16,7 +16,6 @@ from .plumbing import (
     _arr,
     _backend,
     _check_float,
-    _empty,
     _f32,
     _from_numpy,
     _into,

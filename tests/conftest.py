@@ -4,6 +4,7 @@
   (``--gpu``). The variable must be set before numba is first imported; the README's
   test command sets it, and this file sets it too for a bare ``pytest``.
 * Tests marked ``gpu`` need a real CUDA device and run only with ``--gpu``.
+* ``fake_cuda`` (:mod:`tests.fake_cuda`): a fake CUDA clock for event timers on the CPU.
 * The cache of measured model profiles (``QSYNC_LAB_CACHE``) is a fresh folder per
   session, so no test reads what an earlier run measured (spawned ranks inherit it).
 """
@@ -13,6 +14,8 @@ import sys
 import tempfile
 
 import pytest
+
+pytest_plugins = ["tests.fake_cuda"]
 
 os.environ.setdefault("QSYNC_LAB_CACHE", tempfile.mkdtemp(prefix="qsync_lab_cache_"))
 if "--gpu" not in sys.argv:

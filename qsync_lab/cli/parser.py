@@ -95,7 +95,7 @@ def _add_profile_parser(sub) -> None:
     profile.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                          help="where the ops run: this CPU (default), or this machine's GPU, "
                          "timed with CUDA events, its rows named after its catalog kind "
-                         "(links and compressors are then not profiled)")
+                         "(links are then not profiled; compressors with --compress are, on the GPU)")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=commands.profile_command)
 

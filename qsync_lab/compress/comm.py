@@ -2,8 +2,10 @@
 
 A compressed reduction runs on one sender thread per hook state (:mod:`qsync_lab.compress.hook`),
 which issues every collective of every bucket in bucket order, so all ranks issue them in
-the same order. :class:`Comm` counts the time spent in collectives and the bytes this rank
-sends: ``2(n-1)/n`` of the tensor for a ring allreduce, ``n-1`` times it for an all-gather.
+the same order. :class:`Comm` keeps the spans spent in collectives (marks of its
+:attr:`~Comm.timer`: host clock, or the bucket's CUDA events) for the hook to take, and
+counts the bytes this rank sends: ``2(n-1)/n`` of the tensor for a ring allreduce, ``n-1``
+times it for an all-gather.
 
 Example::
 
@@ -13,13 +15,15 @@ Example::
     >>> comm = Comm(None)
     >>> comm.allreduce_sum(torch.ones(4)).tolist(), comm.world, comm.sent_bytes
     ([1.0, 1.0, 1.0, 1.0], 1, 0.0)
+    >>> comm.take_spans()  # one rank: no collective ran
+    []
     >>> dist.destroy_process_group()
 """
 
-import time
-
 import torch
 import torch.distributed as dist
+
+from qsync_lab.timers import HostTimer
 
 __all__ = ["Comm"]
 
@@ -29,7 +33,8 @@ class Comm:
 
     Attributes:
         world, rank: the group's size and this rank's index in it.
-        seconds: time spent in collectives so far.
+        timer: what marks the collectives' spans (a :mod:`qsync_lab.timers` timer; the hook
+            sets its bucket's).
         sent_bytes: bytes this rank sent so far (ring allreduce, ring all-gather).
     """
 
@@ -37,8 +42,14 @@ class Comm:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.seconds = 0.0
+        self.timer = HostTimer()
         self.sent_bytes = 0.0
+        self._spans: list[tuple] = []
+
+    def take_spans(self) -> list[tuple]:
+        """The (begin, end) marks of the collectives since the last call (one rank: none)."""
+        spans, self._spans = self._spans, []
+        return spans
 
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""
@@ -47,7 +58,7 @@ class Comm:
 
     def allreduce_sum_started(self, tensor: torch.Tensor):
         """Start summing ``tensor`` over the ranks, in place; returns the function that
-        waits for it (the time counted is the time spent waiting)."""
+        waits for it (the span kept is the time spent waiting)."""
         self.sent_bytes += (2 * (self.world - 1) / self.world * tensor.numel()
                             * tensor.element_size())
         if self.world == 1:
@@ -55,9 +66,9 @@ class Comm:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
         def wait() -> torch.Tensor:
-            begin = time.perf_counter()
+            begin = self.timer.mark()
             work.wait()
-            self.seconds += time.perf_counter() - begin
+            self._spans.append((begin, self.timer.mark()))
             return tensor
 
         return wait
@@ -82,9 +93,9 @@ class Comm:
 
     def _run(self, tensor: torch.Tensor, sent: float, collective, out, *args, **kwargs):
         """``collective(out, *args, **kwargs)``, timed and counted; ``out``."""
-        begin = time.perf_counter()
         if self.world > 1:
+            begin = self.timer.mark()
             collective(out, *args, **kwargs)
-        self.seconds += time.perf_counter() - begin
+            self._spans.append((begin, self.timer.mark()))
         self.sent_bytes += sent * tensor.numel() * tensor.element_size()
         return out

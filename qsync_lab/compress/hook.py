@@ -21,8 +21,10 @@ limits its own threads limits the hook's too).
 
 Telemetry (:meth:`CompressionState.telemetry`): per method, the relative error of this
 rank's compressed gradient ``||Q(g) - g|| / ||g||``, the bits per element on the wire and
-the time spent encoding, communicating and decoding (host clock: for CUDA buckets, the time
-to launch the work, not the kernels' own time).
+the time spent encoding, communicating and decoding (:mod:`qsync_lab.timers`: the host
+clock for CPU buckets; for CUDA buckets, CUDA events on the bucket's stream, read only when
+the telemetry is, so they time what the stream spent on each part: its kernels, or the
+host launching them where that is slower).
 
 CUDA buckets are reduced without a host synchronisation: no value is read back inside the
 hook (:func:`~qsync_lab.compress.codec.on_device`). The error norms of the telemetry stay
@@ -50,7 +52,6 @@ import contextlib
 import queue
 import sys
 import threading
-import time
 import zlib
 from collections import defaultdict
 
@@ -65,30 +66,34 @@ from qsync_lab.compress.spec import CompressionSettings, Group, bucket_groups
 from qsync_lab.errors import QSyncError
 from qsync_lab.kernels import l2norm
 from qsync_lab.kernels.plumbing import _arr, _f32, exact_div_
+from qsync_lab.timers import timer_for
 
 __all__ = ["CompressionState", "StandaloneBucket", "compression_hook", "register_compression"]
 
 _FP32 = "fp32"
 
 
+_PARTS = ("encode", "comm", "decode")
+_NS_PER_MS = 1e6
+
+
 class _Stats:
     """Telemetry of one method since the last read (the squared norms of CUDA buckets are
-    0-d device tensors, read here only when the telemetry is read)."""
+    0-d device tensors, read here only when the telemetry is read; the times are the
+    state's timers' totals)."""
 
     def __init__(self) -> None:
         self.elements = 0
         self.error_sq = 0.0
         self.norm_sq = 0.0
         self.wire_bits = 0.0
-        self.encode_s = self.comm_s = self.decode_s = 0.0
 
-    def as_dict(self) -> dict[str, float | None]:
+    def as_dict(self, totals_ns: dict) -> dict[str, float | None]:
         error_sq, norm_sq = float(self.error_sq), float(self.norm_sq)
         return {"elements": self.elements,
                 "relative_error": (error_sq / norm_sq) ** 0.5 if norm_sq > 0 else None,
                 "bits_per_element": self.wire_bits / self.elements if self.elements else None,
-                "encode_ms": 1e3 * self.encode_s, "comm_ms": 1e3 * self.comm_s,
-                "decode_ms": 1e3 * self.decode_s}
+                **{f"{part}_ms": totals_ns.get(part, 0.0) / _NS_PER_MS for part in _PARTS}}
 
 
 class CompressionState:
@@ -121,6 +126,7 @@ class CompressionState:
         self.workspace = Workspace()  # the methods' buffers, reused from bucket to bucket
         self._layouts: dict[tuple[int, ...], tuple[Group, ...]] = {}
         self._stats: dict[str, _Stats] = defaultdict(_Stats)
+        self._timers: dict = {}  # device -> its timer (qsync_lab.timers), keys (method, part)
         self._failed: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -157,9 +163,15 @@ class CompressionState:
         """Per method since the last read: elements, relative error, bits per element on
         the wire, encode/comm/decode milliseconds."""
         with self._lock:
-            out = {method: stats.as_dict() for method, stats in sorted(self._stats.items())}
+            totals: dict = defaultdict(dict)
+            for timer in self._timers.values():
+                for (method, part), ns in timer.totals_ns().items():
+                    totals[method][part] = totals[method].get(part, 0.0) + ns
+            out = {method: stats.as_dict(totals[method])
+                   for method, stats in sorted(self._stats.items())}
             if reset:
                 self._stats.clear()
+                self._timers.clear()
         return out
 
     def check_finite(self) -> None:
@@ -230,6 +242,7 @@ class CompressionState:
         x = (buffer[first:first + numel] if whole
              else torch.cat([buffer[s:s + n] for s, n in group.slices]))
         comm = self.comm
+        comm.timer = timer_for(x.device)  # marks only: _count adds the spans
         if group.spec is None:
             wait = comm.allreduce_sum_started(exact_div_(x, comm.world))
         else:
@@ -237,9 +250,8 @@ class CompressionState:
 
         def finish() -> None:
             if group.spec is None:
-                begin = comm.seconds
                 wait()
-                self._count(_FP32, numel, 32.0 * numel, 0.0, comm.seconds - begin, 0.0)
+                self._count(_FP32, numel, 32.0 * numel, x.device, [("comm", comm.take_spans())])
             if not whole:
                 offset = 0
                 for start, n in group.slices:
@@ -251,7 +263,8 @@ class CompressionState:
     def _mean(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         spec, comm, module = group.spec, self.comm, method_module(group.spec)
         segments = _segments(group)
-        begin, comm_begin = time.perf_counter(), comm.seconds
+        timer = comm.timer
+        begin = timer.mark()
         if spec.error_feedback:
             for name, (start, n) in zip(group.names, segments):
                 if name in self.residuals:
@@ -263,27 +276,26 @@ class CompressionState:
         self.workspace.last_nonfinite = None
         encoded = module.encode(x, segments, spec, comm, seed,
                                 error=spec.error_feedback or measure, workspace=self.workspace)
-        encode_s = time.perf_counter() - begin - (comm.seconds - comm_begin)
+        parts = [("encode", [(begin, timer.mark())]), ("comm", comm.take_spans())]
         error_sq = norm_sq = 0.0
         if encoded.error is not None and measure:
             error_sq, norm_sq = ((_norm_sq(encoded.error), _norm_sq(x)) if device
                                  else (l2norm(encoded.error) ** 2, l2norm(x) ** 2))
-        begin, comm_mid = time.perf_counter(), comm.seconds
+        begin = timer.mark()
         module.reduce(encoded, spec, comm, out=x, workspace=self.workspace)  # the mean
-        comm_s = comm.seconds - comm_begin
-        decode_s = time.perf_counter() - begin - (comm.seconds - comm_mid)
+        parts += [("decode", [(begin, timer.mark())]), ("comm", comm.take_spans())]
         # the device path's mark of this bucket (None on the CPU, which raised instead)
         bad = self.workspace.last_nonfinite if device else None
         if encoded.error is not None and spec.error_feedback:  # (the error is still there)
-            begin = time.perf_counter()
+            begin = timer.mark()
             self._keep_residuals(group, segments, encoded.error, bad)
-            encode_s += time.perf_counter() - begin
+            parts.append(("encode", [(begin, timer.mark())]))
         if bad is not None and measure:  # a marked bucket's error is not counted
             error_sq = torch.where(bad, 0.0, error_sq)
             norm_sq = torch.where(bad, 0.0, norm_sq)
         wire = METHODS[spec.method].wire(x.numel(), segments, spec, comm.world)
         self._count(spec.method, x.numel(), 8 * (wire.payload_bytes + wire.scale_sync_bytes),
-                    encode_s, comm_s, decode_s, error_sq, norm_sq)
+                    x.device, parts, error_sq, norm_sq)
         return x
 
     def _keep_residuals(self, group: Group, segments, errors: torch.Tensor,
@@ -303,18 +315,25 @@ class CompressionState:
             else:
                 self.residuals[name] = error.clone()
 
-    def _count(self, method: str, elements: int, wire_bits: float, encode_s: float,
-               comm_s: float, decode_s: float, error_sq: float = 0.0,
-               norm_sq: float = 0.0) -> None:
+    def _count(self, method: str, elements: int, wire_bits: float, device: torch.device,
+               parts: list, error_sq: float = 0.0, norm_sq: float = 0.0) -> None:
+        """Add one group's figures; ``parts``: (part, spans) pairs of timer marks. A
+        collective's time is communication's: it is taken off the encode or decode that
+        ran it."""
         with self._lock:
             stats = self._stats[method]
             stats.elements += elements
             stats.wire_bits += wire_bits
-            stats.encode_s += encode_s
-            stats.comm_s += comm_s
-            stats.decode_s += decode_s
             stats.error_sq += error_sq
             stats.norm_sq += norm_sq
+            if device not in self._timers:
+                self._timers[device] = timer_for(device)
+            timer = self._timers[device]
+            for index, (part, spans) in enumerate(parts):
+                for begin, end in spans:
+                    timer.add((method, part), begin, end)
+                    if part == "comm" and index:  # inside the part before it
+                        timer.add((method, parts[index - 1][0]), begin, end, sign=-1)
 
 
 def _norm_sq(x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,14 @@ For each spec and size, one parameter's gradient goes through the comm hook
 calls it: the encode (with error feedback where the spec has it) and the decode of one
 rank's payload, read from the hook's telemetry, median of ``repeats`` calls. The rows
 (``phase="compress"``, ``kind`` "encode" or "decode", ``op`` the spec's
-:attr:`~qsync_lab.compress.CompressionSpec.cost_label`) let the cost model fit a line per
-spec and step (:meth:`qsync_lab.costs.CostModel.compression_time_us`).
+:attr:`~qsync_lab.compress.CompressionSpec.cost_label`, ``device`` the profile's device
+name) let the cost model fit a line per device, spec and step
+(:meth:`qsync_lab.costs.CostModel.compression_time_us`).
+
+On a GPU (``device="cuda"``) the gradient is a CUDA tensor: the hook runs its CUDA
+kernels, and the telemetry times each part with CUDA events on the stream (the kernels, or
+the host launching them where that is slower: what a bucket's compression costs the
+stream, unheld), so a GPU cluster's plan with compression is costed from the GPU.
 
 Example::
 
@@ -29,6 +35,7 @@ from qsync_lab.compress.spec import CompressionSpec
 from qsync_lab.costs import PROFILE_COLUMNS
 from qsync_lab.errors import QSyncError
 from qsync_lab.hostmem import keep_freed_memory
+from qsync_lab.profile.device import profile_device, profile_device_name
 
 __all__ = ["DEFAULT_COMPRESSION_SPECS", "default_compression_sizes", "profile_compression"]
 
@@ -43,23 +50,26 @@ def default_compression_sizes() -> list[int]:
 
 
 def profile_compression(specs: Sequence["str | CompressionSpec"], sizes: Sequence[int], *,
-                        device: str = "cpu", repeats: int = 10,
+                        device: "str | torch.device" = "cpu", repeats: int = 10,
                         warmup: int = 2) -> pd.DataFrame:
-    """Median encode and decode time of each spec at each size (see the module docstring).
+    """Median encode and decode time of each spec at each size on ``device`` ("cpu" or a
+    CUDA GPU; see the module docstring).
 
     Returns:
         Rows with the columns of :data:`qsync_lab.costs.PROFILE_COLUMNS`.
     """
+    device = profile_device(device)
+    name = profile_device_name(device)
     keep_freed_memory()  # as the ranks (qsync_lab.hostmem)
     rows = []
     generator = torch.Generator().manual_seed(0)
     with _one_rank_group():
         for spec in map(CompressionSpec.parse, specs):
             for numel in map(int, sizes):
-                gradient = torch.randn(numel, generator=generator)
+                gradient = torch.randn(numel, generator=generator).to(device)
                 times = _hook_times(spec, gradient, warmup + repeats)[warmup:]
                 for step in ("encode", "decode"):
-                    rows.append({"device": device, "op": spec.cost_label, "kind": step,
+                    rows.append({"device": name, "op": spec.cost_label, "kind": step,
                                  "shape_key": "", "precision": "fp32",
                                  "plan_precision": "fp32", "phase": "compress",
                                  "batch_size": 0, "numel": numel, "flops": 0.0,

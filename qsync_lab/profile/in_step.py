@@ -27,7 +27,7 @@ op). :func:`time_ops_in_steps` does it without the profiler's cost per event:
 3. per op, the median over the timed steps.
 
 The model (a copy) and the batch run on ``device``, and the timer follows it
-(:func:`~qsync_lab.profile.timing.timer_for`): on the CPU each span is read off the host
+(:func:`~qsync_lab.timers.timer_for`): on the CPU each span is read off the host
 clock as it ends (the host runs the op: its time is the host's). On CUDA the host only
 issues the kernels, and an op costs a step two times, which eager PyTorch overlaps
 (:mod:`qsync_lab.simulate.schedule` combines them): the device's, CUDA events recorded on
@@ -79,9 +79,10 @@ from qsync_lab.graph.records import OpNamer, OpRecord
 from qsync_lab.policy import OpPrecision
 from qsync_lab.precision import Precision
 from qsync_lab.profile.device import profile_device, to_device
-from qsync_lab.profile.timing import HostTimer, hold_stream, timer_for
+from qsync_lab.profile.timing import hold_stream
 from qsync_lab.quant import apply_op_precision_, function_runs_in, low_precision_call
 from qsync_lab.quant.native import tf32_math
+from qsync_lab.timers import HostTimer, timer_for
 
 __all__ = ["InStepTimes", "loss_root_on", "profiled_graph", "time_ops_in_steps"]
 

@@ -18,13 +18,14 @@ need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_devic
    what each spec's hook adds to real DDP steps of calibration MLPs beyond that
    (:func:`~qsync_lab.profile.ddp_link.fit_compressed_steps`).
 
-With ``device="cuda"`` the ops, casts and step overhead are measured on the GPU torch sees
-(CUDA events, :mod:`qsync_lab.profile.timing`; the native low-precision path) and the rows
-and the ``device`` metadata line name its catalog kind (``H100-SXM5-80GB``), else the name
-it reports, so ``qsync-lab run --profile`` on CUDA ranks of that kind costs them with it.
-Links and compression are not measured there (they are measured through gloo, the link
-on several ranks), and the written profile says so (``skipped`` metadata line); keep them
-from a CPU profile.
+With ``device="cuda"`` the ops, casts, step overhead and compressors' encode and decode
+are measured on the GPU torch sees (CUDA events, :mod:`qsync_lab.timers`; the native
+low-precision path, the hook's CUDA kernels) and the rows and the ``device`` metadata line
+name its catalog kind (``H100-SXM5-80GB``), else the name it reports, so ``qsync-lab run
+--profile`` on CUDA ranks of that kind costs them with it. Links are not measured there
+(they are measured through gloo, the link on several ranks), nor the compressors inside
+real DDP steps, which run on those links; the written profile says so (``skipped``
+metadata line): keep them from a CPU profile.
 
 Example::
 
@@ -75,9 +76,10 @@ __all__ = ["LINK_METHODS", "SINGLE_GPU_NOTE", "ProfileJob", "ProfileWritten", "p
 
 #: how the allreduce link is fitted: real DDP steps ("ddp"), the microbenchmark, or not
 LINK_METHODS = ("ddp", "allreduce", None)
-#: why a profile on a GPU has no link or compression fits
-SINGLE_GPU_NOTE = ("links and compression not profiled on a GPU: they are measured through gloo "
-                   "(the link on several ranks); take them from a CPU profile")
+#: why a profile on a GPU has no link fits (nor the compressors' in-step fits)
+SINGLE_GPU_NOTE = ("links not profiled on a GPU: they are measured through gloo (the link on "
+                   "several ranks), as are the compressors inside real DDP steps; take them "
+                   "from a CPU profile")
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,9 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                          f"{', '.join(map(str, LINK_METHODS))}")
     device = profile_device(device)
     device_name = profile_device_name(device)
-    skipped = device.type == "cuda" and bool(links or compression)
+    skipped = device.type == "cuda" and bool(links)
     if skipped:
-        links, compression = None, ()
+        links = None
     names = [str(Precision.parse(p)) for p in precisions]
     stages = ([f"ops: {job.name}" for job in jobs] + (["casts"] if casts else [])
               + ["step overhead"] + ([f"links ({links})"] if links else [])
@@ -185,7 +187,7 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
         bar.set_postfix_str("compression")
         with intra_op_threads(threads):
             compress_rows = profile_compression(compression, default_compression_sizes(),
-                                                repeats=repeats)
+                                                device=device, repeats=repeats)
         if links == "ddp":  # the hook inside real DDP steps, against the estimate so far
             write_device_profile(out, [*frames, cast_rows, compress_rows], metadata)
             in_step = fit_compressed_steps(measure_compressed_steps(compression, threads=threads),

@@ -1,33 +1,18 @@
-"""Timing primitives of the profiler: timers chosen by device, the median wall time of a
-callable, and the run's metadata.
+"""Timing primitives of the profiler: the median wall time of a callable, a hold on a CUDA
+stream, thread settings, and the run's metadata.
 
-A timer times spans of work between marks and sums them per key:
-
-* :class:`HostTimer` (CPU, synchronous work): a mark is ``time.perf_counter_ns()``, and a
-  span is added as soon as it ends;
-* :class:`CudaEventTimer` (CUDA, asynchronous work): a mark is a CUDA event recorded on the
-  device's current stream (``torch.cuda.Event(enable_timing=True)``), and nothing is read
-  until :meth:`CudaEventTimer.totals_ns`, which synchronises the device once and resolves
-  every span with ``elapsed_time``: timing never stalls the stream in between.
-
-:func:`timer_for` picks one by the device the work runs on. A CUDA span times what the
-stream did between its events: the kernels, and any wait for the host to launch them. To
-time the device alone, :func:`hold_stream` first keeps the stream busy for longer than
-the host takes to issue the work (a spin kernel): the work then queues behind it and
-runs back to back. :func:`median_time_us` times
-one call per repeat with it (a CUDA repeat is synchronised once, after its end event);
-warm-up calls are run first and discarded; the result is the median of ``repeats`` timed
-calls.
+The timers (:mod:`qsync_lab.timers`: host-clock spans on the CPU, CUDA events resolved
+after one synchronise on a GPU) time what the stream did between two events: the kernels,
+and any wait for the host to launch them. To time the device alone, :func:`hold_stream`
+first keeps the stream busy for longer than the host takes to issue the work (a spin
+kernel): the work then queues behind it and runs back to back. :func:`median_time_us`
+times one call per repeat with a timer (a CUDA repeat is synchronised once, after its end
+event); warm-up calls are run first and discarded; the result is the median of
+``repeats`` timed calls.
 (:mod:`qsync_lab.profile.device` checks the device a profile runs on and names its rows.)
 
 Example::
 
-    >>> timer = timer_for("cpu")
-    >>> begin = timer.mark(); _ = sum(range(100)); timer.add("sum", begin, timer.mark())
-    >>> list(timer.totals_ns()), timer.totals_ns()["sum"] > 0
-    (['sum'], True)
-    >>> type(timer_for("cuda:0")).__name__
-    'CudaEventTimer'
     >>> median_time_us(lambda: sum(range(100)), repeats=5, warmup=1) > 0
     True
     >>> sorted(run_metadata("cpu", threads=1))[:3]
@@ -46,19 +31,18 @@ import importlib.metadata
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.timers import CudaEventTimer, timer_for
 
-__all__ = ["CudaEventTimer", "HostTimer", "hold_stream", "intra_op_threads", "median_time_us",
-           "run_metadata", "spawned_numba_threads", "timer_for"]
+__all__ = ["hold_stream", "intra_op_threads", "median_time_us", "run_metadata",
+           "spawned_numba_threads"]
 
 _NS_PER_US = 1e3
-_NS_PER_MS = 1e6
 _SPIN_CYCLES = 1_000_000  # the spin kernel that measures the device's cycles per µs
 
 
@@ -105,58 +89,6 @@ def spawned_numba_threads(threads: int) -> Iterator[None]:
             del os.environ["NUMBA_NUM_THREADS"]
         else:
             os.environ["NUMBA_NUM_THREADS"] = before
-
-
-class HostTimer:
-    """Spans read off the host clock as they end (synchronous work: the CPU)."""
-
-    def __init__(self) -> None:
-        self._ns: dict = {}
-
-    def mark(self) -> int:
-        """Now, in ns (``time.perf_counter_ns``)."""
-        return time.perf_counter_ns()
-
-    def add(self, key, begin: int, end: int) -> None:
-        """Add the span from mark ``begin`` to mark ``end`` to ``key``'s total."""
-        self._ns[key] = self._ns.get(key, 0) + (end - begin)
-
-    def totals_ns(self) -> dict:
-        """Each key's summed spans, ns."""
-        return dict(self._ns)
-
-
-class CudaEventTimer:
-    """Spans between CUDA events on ``device``'s current stream, all resolved at once by
-    :meth:`totals_ns` after one synchronise (asynchronous work: a GPU)."""
-
-    def __init__(self, device: "torch.device | str") -> None:
-        self.device = torch.device(device)
-        self._spans: list = []
-
-    def mark(self):
-        """A timing event recorded now on the device's current stream."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def add(self, key, begin, end) -> None:
-        """Keep the span from event ``begin`` to event ``end`` for ``key`` (read later)."""
-        self._spans.append((key, begin, end))
-
-    def totals_ns(self) -> dict:
-        """Synchronise the device, then each key's summed spans, ns."""
-        torch.cuda.synchronize(self.device)
-        totals: dict = {}
-        for key, begin, end in self._spans:
-            totals[key] = totals.get(key, 0.0) + begin.elapsed_time(end) * _NS_PER_MS
-        return totals
-
-
-def timer_for(device: "torch.device | str") -> "HostTimer | CudaEventTimer":
-    """A :class:`CudaEventTimer` for a CUDA device, else a :class:`HostTimer`."""
-    device = torch.device(device)
-    return CudaEventTimer(device) if device.type == "cuda" else HostTimer()
 
 
 def hold_stream(device: "torch.device | str", us: float) -> None:

@@ -97,6 +97,40 @@ def test_ddp_trains_on_cuda(backend, spec):
     assert methods == [spec.split(":")[0]]
 
 
+def _telemetry_and_stream_time(rank, world):
+    """Per spec, one 25 MiB bucket's hook call after three warm-up calls: the telemetry's
+    encode + decode ms, and the ms the stream spent from the call to its completed future."""
+    device = _device(rank)
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.empty(2560, 2560))
+    gradient = torch.randn(model.weight.numel(),
+                           generator=torch.Generator().manual_seed(rank)).to(device)
+    buffer = torch.empty_like(gradient)
+    out = {}
+    for text in ("fp16", "global_qsgd:8", "cgx:4"):
+        state = CompressionState(model, text, telemetry=False)
+        for _ in range(4):
+            buffer.copy_(gradient)
+            state.telemetry()  # read and reset: the last call's parts only
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record()
+            compression_hook(state, StandaloneBucket(model.weight, buffer)).wait()
+            end.record()
+        stats = state.telemetry()[text.split(":")[0]]
+        out[text] = (stats["encode_ms"] + stats["decode_ms"], stats["comm_ms"],
+                     begin.elapsed_time(end))
+        state.close()
+    return out
+
+
+def test_the_telemetry_times_the_hooks_parts_on_the_stream():
+    """CUDA buckets are timed with events on their stream: the encode and decode of one
+    call lie within the stream's time for the whole call (one rank: no collective)."""
+    (rows,) = run_ranks(_telemetry_and_stream_time, 1)
+    for text, (parts_ms, comm_ms, call_ms) in rows.items():
+        assert 0 < parts_ms <= call_ms * 1.001 and comm_ms == 0, (text, parts_ms, call_ms)
+
+
 # ------------------------------------------------ no host synchronisation (issue 36, item 2)
 SYNC_SPECS = ("fp16", "bf16", "global_qsgd:8", "global_qsgd:16",
               "global_qsgd:8,dithering=exponential", "aps:fp8_e5m2", "aps:fp8_e4m3", "cgx:4",

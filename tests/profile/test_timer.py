@@ -13,54 +13,15 @@ from torch import nn
 from qsync_lab.costs import PROFILE_COLUMNS, load_cost_model, read_profile
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
-from qsync_lab.profile import ProfileJob, in_step, profile_machine, timing
+from qsync_lab.profile import ProfileJob, in_step, profile_machine
 from qsync_lab.profile.machine import SINGLE_GPU_NOTE
 from qsync_lab.profile.device import gpu_kind, profile_device, profile_device_name
-from qsync_lab.profile.timing import CudaEventTimer, HostTimer, median_time_us, timer_for
+from qsync_lab import timers
+from qsync_lab.profile.timing import median_time_us
+from qsync_lab.timers import CudaEventTimer, HostTimer, timer_for
+from tests.fake_cuda import FakeEvent
 
 GIB = 2**30
-MS_PER_RECORD = 1.0  # the fake GPU clock advances this much at each recorded event
-
-
-class _FakeEvent:
-    """A CUDA event on a fake clock that logs each call; reading one before the device
-    is synchronised is an error, as on a GPU."""
-
-    log: list = []
-    clock = itertools.count()
-    synchronized = False
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        assert enable_timing
-        self.ms = None
-
-    def record(self, stream=None) -> None:
-        assert stream == "stream"
-        type(self).synchronized = False
-        self.ms = next(self.clock) * MS_PER_RECORD
-        self.log.append("record")
-
-    def elapsed_time(self, end: "_FakeEvent") -> float:
-        assert self.synchronized, "elapsed_time before the device was synchronised"
-        self.log.append("elapsed")
-        return end.ms - self.ms
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """torch.cuda's events, stream and synchronise replaced by fakes; the call log."""
-    log = []
-
-    def synchronize(device=None):
-        log.append("synchronize")
-        _FakeEvent.synchronized = True
-
-    monkeypatch.setattr(_FakeEvent, "log", log)
-    monkeypatch.setattr(_FakeEvent, "clock", itertools.count())
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
-    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-    return log
 
 
 def test_the_timer_follows_the_device():
@@ -72,7 +33,7 @@ def test_the_timer_follows_the_device():
 
 def test_the_host_timer_is_two_clock_reads_per_span(monkeypatch):
     ticks = iter([0, 1_000, 5_000, 7_000, 10_000, 13_000])
-    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(ticks))
+    monkeypatch.setattr(timers.time, "perf_counter_ns", lambda: next(ticks))
     # three repeats of 1, 2 and 3 µs: the median, in µs, as perf_counter_ns gave them
     assert median_time_us(lambda: None, repeats=3, warmup=0) == 2.0
     timer = HostTimer()
@@ -92,6 +53,20 @@ def test_cuda_spans_are_read_once_after_one_synchronise(fake_cuda):
     totals = timer.totals_ns()
     assert fake_cuda == ["record"] * 4 + ["synchronize"] + ["elapsed"] * 3
     assert totals == {"x": 2e6, "y": 1e6}
+
+
+def test_cuda_spans_can_be_taken_off_and_many_unread_ones_are_folded_as_they_complete(
+        fake_cuda):
+    timer = CudaEventTimer("cuda", pending_limit=3)
+    marks = [timer.mark() for _ in range(6)]  # the fake clock: 0 ... 5 ms
+    timer.add("encode", marks[0], marks[3])
+    timer.add("encode", marks[1], marks[2], sign=-1)  # a collective inside the encode
+    timer.add("comm", marks[1], marks[2])
+    FakeEvent.complete_until(3.0)  # the device has run the first four events
+    timer.add("decode", marks[4], marks[5])  # over the limit: the complete spans are read
+    assert fake_cuda == ["record"] * 6 + ["elapsed"] * 3 and len(timer._spans) == 1
+    assert timer.totals_ns() == {"encode": 2e6, "comm": 1e6, "decode": 1e6}
+    assert fake_cuda[-2:] == ["synchronize", "elapsed"]
 
 
 def test_in_step_timing_with_cuda_events_syncs_once_per_step(fake_cuda, monkeypatch):
@@ -122,7 +97,7 @@ def test_cuda_spans_also_time_the_host_and_are_held_as_long_as_it_took(fake_cuda
     holds = []
     monkeypatch.setattr(in_step, "hold_stream", lambda device, us: holds.append(us))
     clock = itertools.count(step=3_000)  # each host clock read: 3 µs later
-    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(clock))
+    monkeypatch.setattr(timers.time, "perf_counter_ns", lambda: next(clock))
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     t = in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
                                   nn.CrossEntropyLoss(), "fp32", steps=2, warmup=1)
@@ -153,7 +128,7 @@ def test_a_span_that_waits_for_its_hold_does_not_grow_the_next_hold(fake_cuda, m
         return now[0]
 
     monkeypatch.setattr(in_step, "hold_stream", hold)
-    monkeypatch.setattr(timing.time, "perf_counter_ns", perf_counter_ns)
+    monkeypatch.setattr(timers.time, "perf_counter_ns", perf_counter_ns)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.tensor([0, 1, 2, 0]),
                               nn.CrossEntropyLoss(), "fp32", steps=4, warmup=1)
@@ -208,13 +183,15 @@ def test_a_gpu_profile_has_every_precision_and_phase(tmp_path):
     precisions = ["fp32", "bf16", "fp16", "int8"]
     out = tmp_path / "gpu.csv"
     written = profile_machine([job], out, precisions=precisions, repeats=3, progress=False,
-                              device="cuda")
+                              compression=["fp16", "cgx:8"], device="cuda")
     table = read_profile(out)
     rows, name = table.frame, profile_device_name("cuda")
     assert list(rows.columns) == list(PROFILE_COLUMNS) and set(rows["device"]) == {name}
     assert table.metadata["device"] == name and table.metadata["skipped"] == SINGLE_GPU_NOTE
     assert written.link == SINGLE_GPU_NOTE
-    ops = rows[rows["phase"] != "cast"]
+    compressed = rows[rows["phase"] == "compress"]  # the hook's CUDA kernels, per size
+    assert set(compressed["op"]) == {"fp16", "cgx:8"} and (compressed["time_us"] > 0).all()
+    ops = rows[~rows["phase"].isin(["cast", "compress"])]
     for precision in precisions:
         mine = ops[ops["plan_precision"] == precision]
         assert set(mine["phase"]) == {"forward", "backward_input", "backward_weight"}
@@ -223,5 +200,7 @@ def test_a_gpu_profile_has_every_precision_and_phase(tmp_path):
     assert rows.loc[rows["phase"] == "cast", "host_us"].isna().all()
     assert (rows.loc[rows["phase"] == "cast", "time_us"] > 0).all()
     if name in load_catalog().devices:  # the cost model attributes the rows to that kind
-        assert load_cost_model(out).profiles[0].op_time_us(name, "0", "bf16", "forward",
-                                                           64) > 0
+        costs, device = load_cost_model(out), load_catalog().device(name)
+        assert costs.profiles[0].op_time_us(name, "0", "bf16", "forward", 64) > 0
+        encode = costs.compression_time_us("cgx:8", "encode", 2**22, 9.0, device)
+        assert encode.source.startswith("fit:") and encode.us > 0
