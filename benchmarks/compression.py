@@ -10,7 +10,12 @@ the simulator's prediction of compressed runs.
    ``fp16_compress_hook``, and each spec through :func:`qsync_lab.compress.compression_hook`.
    The time is the slowest rank's, median of ``--repeats`` calls after 3 warm-up calls;
    bytes are what each rank sends per call (ring-equivalent counts: ``2(n-1)/n`` of an
-   allreduced tensor, ``n-1`` times an all-gathered one).
+   allreduced tensor, ``n-1`` times an all-gathered one). For the project's hooks, rank 0's
+   telemetry (median encode and decode ms per call: the host clock on the CPU, CUDA events
+   on the bucket's stream on a GPU) stands beside what the simulator predicts for them
+   (:func:`qsync_lab.simulate.compression.compressor_costs`) from ``--profile`` (default:
+   the shipped CPU profile on the CPU, the catalog's roofline on a GPU); ``pred_ms`` is
+   their sum, to compare with ``encode_ms + decode_ms``.
 2. **runs**: per spec (and without compression), ``torchrun ... -m qsync_lab.runtime`` on the
    ``local-cpu`` cluster (2 gloo ranks, batch 16 each), as ``qsync-lab run`` starts it and
    with the shipped profile ``data/profiles/cpu.csv`` (the user's path), or with
@@ -52,12 +57,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tqdm.auto import tqdm
 
 from qsync_lab.cluster import load_cluster
+from qsync_lab.compress import CompressionSpec
 from qsync_lab.compress.hook import CompressionState, StandaloneBucket, compression_hook
+from qsync_lab.costs import CostModel, load_cost_model
+from qsync_lab.devices import load_catalog
 from qsync_lab.graph import trace_graph
 from qsync_lab.hostmem import keep_freed_memory
 from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.plan import Plan
+from qsync_lab.profile.device import profile_device_name
 from qsync_lab.runtime.launch import torchrun_command
+from qsync_lab.simulate.compression import compressor_costs
 from reporting import finish_report, load_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +112,7 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results, device
         entries.append((text, lambda state=state: compression_hook(state, bucket), state))
     rows = []
     for name, hook, sent in entries:
-        slowest = []
+        slowest, parts = [], []
         for call in range(WARMUP + repeats):
             buffer.copy_(gradient)
             sent_before = sent.comm.sent_bytes if isinstance(sent, CompressionState) else 0.0
@@ -115,12 +125,17 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results, device
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             if call >= WARMUP:
                 slowest.append(float(seconds))
+                if isinstance(sent, CompressionState):
+                    (stats,) = sent.telemetry().values()
+                    parts.append((stats["encode_ms"], stats["decode_ms"]))
         sent_bytes = (sent.comm.sent_bytes - sent_before if isinstance(sent, CompressionState)
                       else sent)
         rows.append({"ranks": world, "method": name,
                      "median_ms": 1e3 * statistics.median(slowest),
                      "min_ms": 1e3 * min(slowest), "max_ms": 1e3 * max(slowest),
-                     "sent_MiB": sent_bytes / 2**20})
+                     "sent_MiB": sent_bytes / 2**20,
+                     "encode_ms": statistics.median(p[0] for p in parts) if parts else None,
+                     "decode_ms": statistics.median(p[1] for p in parts) if parts else None})
     for state in states:
         state.close()
     dist.destroy_process_group()
@@ -128,9 +143,10 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results, device
         results.put(rows)
 
 
-def bucket_table(worlds, repeats: int, device: str = "cpu",
-                 backend: str = "gloo") -> pd.DataFrame:
-    """Section 1: one row per (ranks, method), the buckets on ``device`` ("cpu" or "cuda")."""
+def bucket_table(worlds, repeats: int, device: str = "cpu", backend: str = "gloo",
+                 profiles=()) -> pd.DataFrame:
+    """Section 1: one row per (ranks, method), the buckets on ``device`` ("cpu" or "cuda"),
+    the project's hooks predicted from ``profiles``."""
     rows = []
     for world in worlds:
         context = mp.get_context("spawn")
@@ -149,7 +165,29 @@ def bucket_table(worlds, repeats: int, device: str = "cpu",
     table = pd.DataFrame(rows)
     fp32 = table.groupby("ranks")["median_ms"].transform("first")  # the first row of each
     table["x_fp32"] = table["median_ms"] / fp32
+    table["pred_ms"] = _predicted_ms(table, device, profiles)
     return table
+
+
+def _predicted_ms(table: pd.DataFrame, device: str, profiles) -> list[float | None]:
+    """Per row, the simulator's encode + decodes of the row's spec on this device."""
+    name = profile_device_name(device)
+    catalog = load_catalog()
+    if name not in catalog.devices:
+        return [None] * len(table)
+    costs = (load_cost_model(*profiles) if profiles
+             else load_cost_model(ROOT / "data/profiles/cpu.csv") if device == "cpu"
+             else CostModel())
+    numel = BUCKET_SHAPE[0] * BUCKET_SHAPE[1]
+    out = []
+    for method, world in zip(table["method"], table["ranks"]):
+        if method not in SPECS:
+            out.append(None)
+            continue
+        encode, decode = compressor_costs(costs, CompressionSpec.parse(method), numel,
+                                          [(0, numel)], int(world), catalog.device(name))
+        out.append((encode.us + decode.us) / 1e3)
+    return out
 
 
 # ----------------------------------------------------------------------------- 2. runs
@@ -205,7 +243,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"),
                         help="collectives (default: gloo for cpu, nccl for cuda)")
     parser.add_argument("--profile", type=Path, action="append", default=[],
-                        help="predict the runs with this profile (default: the shipped one)")
+                        help="predict the hooks and runs with this profile (default: the "
+                        "shipped CPU one; on a GPU the catalog's roofline)")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
     if args.repeats < 20:
@@ -217,8 +256,14 @@ def main() -> None:
               f"{torch.__version__}, 1 intra-op thread per rank; {load_line('before')}", "",
               f"1. one 25 MiB fp32 bucket ({BUCKET_SHAPE[0]} x {BUCKET_SHAPE[1]} weight), hook "
               f"call to completed future, slowest rank, median of {args.repeats} "
-              f"(min-max beside it); x_fp32 = time / the fp32 allreduce's"]
-    buckets = bucket_table(args.worlds, args.repeats, args.device, backend)
+              f"(min-max beside it); x_fp32 = time / the fp32 allreduce's; encode_ms, "
+              "decode_ms: rank 0's telemetry (median); pred_ms: the simulator's encode + "
+              "decode from "
+              + (", ".join(map(str, args.profile)) if args.profile
+                 else "data/profiles/cpu.csv" if args.device == "cpu"
+                 else "the catalog's roofline")]
+    buckets = bucket_table(args.worlds, args.repeats, args.device, backend,
+                           [path.resolve() for path in args.profile])
     report.append(buckets.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     two = buckets[buckets["ranks"] == 2].set_index("method")["median_ms"]
     fp32, fp16 = ((two.iloc[0], two.loc["torch fp16_compress_hook"]) if len(two)

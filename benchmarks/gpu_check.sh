@@ -3,7 +3,8 @@
 # (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
 #   bash benchmarks/gpu_check.sh [step ...]
 #   default: quant profile train tests kernels buckets   (about 8 minutes)
-#   then, in a second call: user hybrid hooks library overhead   (about 6 minutes)
+#   then, in a second call: user hybrid hooks library overhead compress buckets   (about 8
+#   minutes; as many as the device time left allows, in that order)
 # (on an H200: quant 37 s, train 132 s a round, user 59 s, a hybrid row 40 s)
 # quant: the quant GPU tests (native fp16/bf16/tf32/int8/fp8 operators, kernels and dtypes per
 #   op, launches of a bf16 BERT against torch.autocast)
@@ -14,7 +15,11 @@
 #   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (two rounds of
 #   every row, in turn: the host's pace drifts; rows that start after 220 s are skipped)
 # tests, kernels, buckets, hooks: the CUDA kernels and the compression hook
-#   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds)
+#   (HOOKS_SELECT: a pytest -k expression for the hooks step; HOOKS_LIMIT: its seconds); the
+#   bucket table predicts each hook's encode + decode from the compress step's profile when
+#   this call ran it, else from the catalog's roofline
+# compress: qsync-lab profile --device cuda --compress: the compressors' encode and decode
+#   through the hook's CUDA kernels at 64 K-16 M elements ($OUT/gpu_compress.csv)
 # user: the user's path on this GPU: qsync-lab plan (BERT-base, one rank of the card's kind,
 #   --throughput 1000, the GPU profile when measured) and qsync-lab run --steps 30; its
 #   summary gives the measured step beside the prediction
@@ -82,9 +87,9 @@ user_path() {  # plan and run BERT-base on one rank of this GPU's catalog kind
     kind=$($PY -c "from qsync_lab.profile.device import profile_device_name as n; print(n('cuda'))")
     printf 'name = "one-gpu"\nbatch_size = 32\n\n[[node]]\nname = "n0"\nintra_node_link = "nvlink4"\ndevices = [{ kind = "%s", count = 1 }]\n' \
         "$kind" > "$WORK/one-gpu.toml"
-    $PY -m qsync_lab.cli plan --model bert_base --cluster "$WORK/one-gpu.toml" --throughput 1000 \
+    $PY -m qsync_lab plan --model bert_base --cluster "$WORK/one-gpu.toml" --throughput 1000 \
         ${GPU_PROFILE:+--profile "$GPU_PROFILE"} --out "$WORK/plan.json" &&
-    $PY -m qsync_lab.cli run --plan "$WORK/plan.json" --steps 30 --checkpoint-every 0 \
+    $PY -m qsync_lab run --plan "$WORK/plan.json" --steps 30 --checkpoint-every 0 \
         --run-dir "$WORK/user_run" ${GPU_PROFILE:+--profile "$GPU_PROFILE"}
 }
 export -f user_path
@@ -95,9 +100,10 @@ export PY WORK
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts=-ra -W default --gpu)
 for name in $STEPS; do
     [ -s "$OUT/gpu_profile.csv" ] && GPU_PROFILE="$OUT/gpu_profile.csv"
+    [ -s "$OUT/gpu_compress.csv" ] && COMPRESS_PROFILE="$OUT/gpu_compress.csv"
     case $name in
         quant) step quant 60 "${PYTEST[@]}" -m gpu tests/quant ;;
-        profile) step profile 150 $PY -m qsync_lab.cli profile --device cuda --model bert_base \
+        profile) step profile 150 $PY -m qsync_lab profile --device cuda --model bert_base \
                      --model resnet50 --batch 32 --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 \
                      --repeats 5 --out "$OUT/gpu_profile.csv" ;;
         train) step train 260 $PY benchmarks/gpu_training.py --kernels --rounds 2 --row-s 3 \
@@ -106,7 +112,9 @@ for name in $STEPS; do
         tests) step tests 40 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
         kernels) step kernels 60 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
         buckets) step buckets 40 $PY benchmarks/compression.py --device cuda --worlds 1 \
-                     --skip-runs --repeats 20 ;;
+                     --skip-runs --repeats 20 ${COMPRESS_PROFILE:+--profile "$COMPRESS_PROFILE"} ;;
+        compress) step compress 120 $PY -m qsync_lab profile --device cuda --model digits_cnn \
+                      --precisions fp32 --repeats 5 --compress --out "$OUT/gpu_compress.csv" ;;
         hooks) step hooks "${HOOKS_LIMIT:-90}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
                    ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
         overhead) step overhead 60 $PY benchmarks/op_overhead.py --device cuda \

@@ -44,11 +44,12 @@ from dataclasses import dataclass
 
 from qsync_lab.cluster import Cluster
 from qsync_lab.compress.methods import METHODS
-from qsync_lab.compress.spec import CompressionSettings, bucket_groups
+from qsync_lab.compress.spec import CompressionSettings, CompressionSpec, bucket_groups
 from qsync_lab.costs import Cost, CostModel, ring_wire_bytes
+from qsync_lab.devices import DeviceSpec
 from qsync_lab.simulate.prepare import PreparedGraph
 
-__all__ = ["BucketComm", "bucket_comm"]
+__all__ = ["BucketComm", "bucket_comm", "compressor_costs"]
 
 _FP32_BYTES = 4
 #: error feedback's bytes per element: the residual added (read 8, write 4), the error
@@ -102,23 +103,16 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
                 labels.append("fp32")
                 continue
             segments = [(0, n) for _, n in group.slices]
-            method = METHODS[group.spec.method]
-            wire = method.wire(group.numel, segments, group.spec, world)
+            wire = METHODS[group.spec.method].wire(group.numel, segments, group.spec, world)
             spec, label = str(group.spec), group.spec.cost_label
             collective = (costs.allreduce_time_us if wire.collective == "allreduce"
                           else costs.allgather_time_us)(wire.payload_bytes, world, links)
-            feedback_bytes = (_FEEDBACK_BYTES + (not method.error_from_encode)
-                              * _DECODED_ERROR_BYTES if group.spec.error_feedback else 0.0)
-            encode = costs.compression_time_us(label, "encode", group.numel,
-                                               wire.encode_bytes + feedback_bytes, device)
-            decode = costs.compression_time_us(label, "decode", group.numel, wire.decode_bytes,
-                                               device)
-            decodes = world if wire.collective == "allgather" else 1
+            encode, decode = compressor_costs(costs, group.spec, group.numel, segments, world,
+                                              device)
             sync_us = (costs.allreduce_time_us(wire.scale_sync_bytes, world, links).us
                        if wire.scale_sync_bytes else 0.0)
             in_step = costs.compression_in_step_us(label, group.numel, device)
-            total_us += max(0.0, sync_us + encode.us + collective.us + decodes * decode.us
-                            + in_step.us)
+            total_us += max(0.0, sync_us + encode.us + collective.us + decode.us + in_step.us)
             sent += (ring_wire_bytes(wire.payload_bytes, world) if wire.collective == "allreduce"
                      else (world - 1) * wire.payload_bytes)
             sent += ring_wire_bytes(wire.scale_sync_bytes, world)
@@ -127,6 +121,33 @@ def bucket_comm(prepared: PreparedGraph, cluster: Cluster, costs: CostModel, set
         out.append(BucketComm(Cost(float(total_us), " + ".join(dict.fromkeys(sources))),
                               float(sent), " + ".join(labels)))
     return out
+
+
+def compressor_costs(costs: CostModel, spec: CompressionSpec, numel: int,
+                     segments: list[tuple[int, int]], world: int,
+                     device: DeviceSpec) -> tuple[Cost, Cost]:
+    """One compressed group's encode (error feedback included) and its decodes (one per
+    payload the rank receives) on ``device`` (see the module docstring).
+
+    Example::
+
+        >>> from qsync_lab.devices import load_catalog
+        >>> spec = CompressionSpec.parse("cgx:8")
+        >>> encode, decode = compressor_costs(CostModel(), spec, 2**20, [(0, 2**20)], 4,
+        ...                                   load_catalog().device("T4"))
+        >>> encode.us > 0, decode.us > 0
+        (True, True)
+    """
+    method = METHODS[spec.method]
+    wire = method.wire(numel, segments, spec, world)
+    feedback_bytes = (_FEEDBACK_BYTES + (not method.error_from_encode) * _DECODED_ERROR_BYTES
+                      if spec.error_feedback else 0.0)
+    encode = costs.compression_time_us(spec.cost_label, "encode", numel,
+                                       wire.encode_bytes + feedback_bytes, device)
+    decode = costs.compression_time_us(spec.cost_label, "decode", numel, wire.decode_bytes,
+                                       device)
+    decodes = world if wire.collective == "allgather" else 1
+    return encode, Cost(decodes * decode.us, decode.source)
 
 
 class _Shape:
