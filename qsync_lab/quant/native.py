@@ -310,21 +310,27 @@ def _scale(x: torch.Tensor, fmax: float, dim: int | None = None) -> torch.Tensor
 
 def _int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``round(x / scale)`` as int8 (half to even; within +-127, as the scale puts the
-    amax at 127)."""
-    return torch.div(x.float(), scale).round_().to(torch.int8)
+    amax at 127), row-major (cuBLASLt's int8 and fp8 products take row-major operands and
+    transposes of them: a transposed view, such as GPT-2's ``Conv1D`` weight, is copied)."""
+    return _row_major(torch.div(x.float(), scale).round_().to(torch.int8))
 
 
 def _fp8_values(x: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
     """``x / s`` in the fp8 format with its per-tensor scale ``s`` (the amax lands on the
-    format's largest finite value)."""
+    format's largest finite value), row-major as :func:`_int8_codes`."""
     dtype, fmax = _FP8[precision]
     scale = _scale(x, fmax)
-    return torch.div(x.float(), scale).to(dtype), scale
+    return _row_major(torch.div(x.float(), scale).to(dtype)), scale
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-d) laid out row-major (itself when it is)."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-d) laid out column-major, as ``torch._scaled_mm``'s second operand."""
-    return t.t().contiguous().t()
+    return _row_major(t.t()).t()
 
 
 def _linear_output(ctx, out: torch.Tensor, x, weight, bias, saved: tuple,
@@ -389,7 +395,7 @@ class _NativeFp8Linear(torch.autograd.Function):
                                       out_dtype=torch.float32)
             grads[0] = grad_x.reshape(ctx.shapes[0]).to(ctx.dtypes[0])
         if ctx.needs_input_grad[1]:
-            grad_w = torch._scaled_mm(g8.t().contiguous(), _column_major(x8), g_scale, x_scale,
+            grad_w = torch._scaled_mm(_row_major(g8.t()), _column_major(x8), g_scale, x_scale,
                                       out_dtype=torch.float32)
             grads[1] = grad_w.to(ctx.dtypes[1])
         if ctx.needs_input_grad[2]:

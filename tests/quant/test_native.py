@@ -15,6 +15,7 @@ from torch import nn
 from qsync_lab.devices import load_catalog
 from qsync_lab.graph import trace_graph
 from qsync_lab.models import example_batch, get_model, model_spec
+from qsync_lab.precision import Precision
 from qsync_lab.quant import apply_plan_, apply_resolved_plan_
 from qsync_lab.quant import native
 from qsync_lab.quant.native import execution, runs_native, set_tf32
@@ -167,6 +168,43 @@ def test_tf32_convolutions_run_with_cudnn_tf32_on(device):
     finally:
         torch.backends.cudnn.allow_tf32 = before
     assert kernels.calls and all(on for *_, on in kernels.calls)
+
+
+class _Context:
+    """What an autograd function's forward and backward use of their context."""
+
+    needs_input_grad = (True, True, False, False, False)
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+
+@pytest.mark.parametrize("function, options", [
+    (native._NativeFp8Linear, (Precision.FP8_E5M2,)),
+    (native._NativeInt8Linear, (False, Precision.BF16))])
+def test_quantized_linears_give_cublaslt_its_layouts_for_transposed_operands(
+        function, options, monkeypatch):
+    """torch's fake CUDA tensors run ``_scaled_mm``'s layout checks (row-major first
+    operand, column-major second) without a GPU: a transposed weight view (GPT-2's
+    ``Conv1D`` passes ``weight.t()``), a transposed input and gradient, forward and
+    backward (called directly: autograd's engine needs a real device)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qsync_lab.quant import gemm
+
+    monkeypatch.setattr(gemm, "_capability", lambda index: (9, 0))  # an H100
+    with FakeTensorMode():
+        x = torch.empty(64, 32, device="cuda").t()  # 32 x 64, column-major
+        weight = torch.empty(64, 48, device="cuda").t()  # 48 x 64, a transposed view
+        ctx = _Context()
+        out = function.forward(ctx, x, weight, None, *options)
+        grad_x, grad_w, *_ = function.backward(ctx, torch.empty(48, 32, device="cuda").t())
+        for tensor in (*ctx.saved_tensors[::2], grad_x, grad_w):  # codes and gradients
+            assert tensor.is_cuda
+        assert out.shape == (32, 48) and grad_x.shape == x.shape and grad_w.shape == weight.shape
+    if function is native._NativeInt8Linear:  # _int_mm's operands: row-major, then its .t()
+        x_codes, _, w_codes, _ = ctx.saved_tensors
+        assert x_codes.is_contiguous() and w_codes.is_contiguous()
 
 
 def test_pairs_without_native_kernels_fall_back_to_the_emulation():
