@@ -57,12 +57,14 @@ class CudaEventTimer:
     :meth:`totals_ns` after one synchronise (asynchronous work: a GPU).
 
     Spans kept unread beyond ``pending_limit`` are resolved as their events complete
-    (``Event.query``, which never waits), so a timer that is seldom read stays small.
+    (``Event.query``, which never waits), so a timer that is seldom read stays small; the
+    next such pass waits until the unread spans have doubled (a held stream completes none).
     """
 
     def __init__(self, device: "torch.device | str", pending_limit: int = 4096) -> None:
         self.device = torch.device(device)
         self.pending_limit = pending_limit
+        self._fold_at = pending_limit
         self._spans: list = []
         self._ns: dict = {}
 
@@ -76,8 +78,9 @@ class CudaEventTimer:
         """Keep the span from event ``begin`` to event ``end`` for ``key`` (read later;
         ``sign=-1`` takes it off the total)."""
         self._spans.append((key, begin, end, sign))
-        if len(self._spans) > self.pending_limit:
+        if len(self._spans) > self._fold_at:
             self._spans = [span for span in self._spans if not self._resolved(span)]
+            self._fold_at = max(self.pending_limit, 2 * len(self._spans))
 
     def totals_ns(self) -> dict:
         """Synchronise the device, then each key's summed spans, ns."""

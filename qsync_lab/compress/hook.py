@@ -203,7 +203,8 @@ class CompressionState:
                 "residuals": {name: r.clone() for name, r in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict`'s ``state``."""
+        """Continue from :meth:`state_dict`'s ``state`` (residuals on any device: each moves
+        to its bucket's at its first use)."""
         self.calls = int(state["calls"])
         self.residuals = {name: r.clone() for name, r in state["residuals"].items()}
 
@@ -217,11 +218,17 @@ class CompressionState:
     def _run(self) -> None:
         if self._numba_threads is not None:
             sys.modules["numba"].set_num_threads(self._numba_threads)  # see the module doc
+        device = None
         while (item := self._queue.get()) is not None:
             buffer, groups, future, stream = item
             if self._failed is not None:  # every rank failed at the same bucket
                 future.set_exception(self._failed)
                 continue
+            if stream is not None and stream.device != device:
+                # a new thread's current GPU is the first: entering another GPU's stream
+                # would switch to it and back at every bucket (a context on GPU 0 per rank)
+                device = stream.device
+                torch.cuda.set_device(device)
             try:
                 with (torch.cuda.stream(stream) if stream is not None
                       else contextlib.nullcontext()):
@@ -268,7 +275,7 @@ class CompressionState:
         if spec.error_feedback:
             for name, (start, n) in zip(group.names, segments):
                 if name in self.residuals:
-                    x[start:start + n] += self.residuals[name]
+                    x[start:start + n] += self._residual_on(name, x.device)
         seed = zlib.crc32(f"{self.seed}:{comm.rank}:{self.calls}".encode()) & (2**62 - 1)
         measure = self.record and self.calls % self.error_every == 0
         self.calls += 1
@@ -297,6 +304,14 @@ class CompressionState:
         self._count(spec.method, x.numel(), 8 * (wire.payload_bytes + wire.scale_sync_bytes),
                     x.device, parts, error_sq, norm_sq)
         return x
+
+    def _residual_on(self, name: str, device: torch.device) -> torch.Tensor:
+        """``name``'s residual, moved to ``device`` once if it is elsewhere (a checkpoint's
+        are CPU tensors)."""
+        residual = self.residuals[name]
+        if residual.device != device:
+            residual = self.residuals[name] = residual.to(device)
+        return residual
 
     def _keep_residuals(self, group: Group, segments, errors: torch.Tensor,
                         bad: torch.Tensor | None) -> None:

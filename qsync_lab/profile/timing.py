@@ -149,10 +149,11 @@ def run_metadata(device: str, *, threads: int) -> dict[str, str]:
     import numba
 
     cuda = torch.cuda.is_available()
+    gpu = cuda and device != "cpu"  # a CPU profile on a GPU machine names the CPU
     return {
         "device": device,
-        "device_name": torch.cuda.get_device_name() if cuda else (platform.processor()
-                                                                  or platform.machine()),
+        "device_name": torch.cuda.get_device_name() if gpu else (platform.processor()
+                                                                 or platform.machine()),
         "torch_version": torch.__version__,
         "cuda_version": str(torch.version.cuda) if cuda else "none",
         "numba_version": numba.__version__,

@@ -97,6 +97,36 @@ def test_ddp_trains_on_cuda(backend, spec):
     assert methods == [spec.split(":")[0]]
 
 
+def _resumed_from_cpu_residuals(rank, world):
+    """An error-feedback hook's second call on a CUDA bucket: straight on, and after its
+    state went through a checkpoint (residuals as CPU tensors) into a new state."""
+    device = _device(rank)
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.empty(64, 300))
+    gradients = [torch.randn(model.weight.numel(), generator=torch.Generator().manual_seed(s),
+                             device="cpu").to(device) for s in (1, 2)]
+    spec = "cgx:4,error_feedback=true"
+
+    def call(state, gradient):
+        bucket = StandaloneBucket(model.weight, gradient.clone())
+        return compression_hook(state, bucket).wait().cpu()
+
+    straight = CompressionState(model, spec, seed=5, telemetry=False)
+    call(straight, gradients[0])
+    saved = straight.state_dict()
+    saved["residuals"] = {name: r.cpu() for name, r in saved["residuals"].items()}
+    resumed = CompressionState(model, spec, seed=5, telemetry=False)
+    resumed.load_state_dict(saved)
+    out = torch.equal(call(straight, gradients[1]), call(resumed, gradients[1]))
+    for state in (straight, resumed):
+        state.close()
+    return out, resumed.failure is None
+
+
+def test_a_resumed_error_feedback_hook_takes_its_checkpoints_cpu_residuals():
+    assert run_ranks(_resumed_from_cpu_residuals, 1) == [(True, True)]
+
+
 def _telemetry_and_stream_time(rank, world):
     """Per spec, one 25 MiB bucket's hook call after three warm-up calls: the telemetry's
     encode + decode ms, and the ms the stream spent from the call to its completed future."""

@@ -69,6 +69,17 @@ def test_cuda_spans_can_be_taken_off_and_many_unread_ones_are_folded_as_they_com
     assert fake_cuda[-2:] == ["synchronize", "elapsed"]
 
 
+def test_unread_spans_that_do_not_complete_are_queried_in_doubling_rounds(fake_cuda,
+                                                                          monkeypatch):
+    queries = []
+    monkeypatch.setattr(FakeEvent, "query", lambda event: queries.append(event) or False)
+    timer = CudaEventTimer("cuda", pending_limit=4)
+    for _ in range(40):  # a held stream: nothing completes
+        begin = timer.mark()
+        timer.add("x", begin, timer.mark())
+    assert len(queries) == 5 + 11 + 23  # rounds past 4, 10 and 22 spans, not one per add
+
+
 def test_in_step_timing_with_cuda_events_syncs_once_per_step(fake_cuda, monkeypatch):
     """The in-step bookkeeping with CUDA events (ops run on the CPU, timed by the fake
     clock): each op's call is one 1 ms span, each autograd node it created another."""
