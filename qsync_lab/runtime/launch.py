@@ -31,6 +31,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -290,11 +291,13 @@ def _show_notes(log: Path) -> None:
 
 def _follow(job: subprocess.Popen, run_dir: Path, steps: int, *, progress: bool) -> int:
     """Wait for ``job``, a bar following ``metrics.jsonl``'s lines; the run is stopped if
-    this process is interrupted."""
+    this process is interrupted (Ctrl-C) or terminated (SIGTERM: ``timeout``, a job
+    scheduler)."""
     from tqdm.auto import tqdm
 
     metrics = run_dir / METRICS
-    with tqdm(total=steps, desc="train", unit="step", disable=not progress) as bar:
+    with tqdm(total=steps, desc="train", unit="step", disable=not progress) as bar, \
+            _terminate_raises():
         try:
             while job.poll() is None:
                 time.sleep(_POLL_S)
@@ -304,6 +307,25 @@ def _follow(job: subprocess.Popen, run_dir: Path, steps: int, *, progress: bool)
             stop_run(job, run_dir)
             raise
     return job.returncode
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """While it lasts, SIGTERM raises ``SystemExit(143)`` in the main thread (as Ctrl-C
+    raises KeyboardInterrupt), so the code it interrupts can clean up; nothing elsewhere
+    (only the main thread may set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _advance(bar, done: int) -> None:

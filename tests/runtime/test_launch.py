@@ -24,9 +24,11 @@ RANKS_UP_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 
 
-def test_an_interrupted_launch_leaves_no_rank_running(tmp_path):
-    """Ctrl-C in ``launch`` (``qsync-lab run``) stops torchrun and both ranks, each in a
-    session of its own, which a SIGKILL to torchrun's process group would leave running."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_launch_leaves_no_rank_running(tmp_path, sig):
+    """Ctrl-C (or a SIGTERM: ``timeout``, a job scheduler) in ``launch`` (``qsync-lab
+    run``) stops torchrun and both ranks, each in a session of its own, which a SIGKILL to
+    torchrun's process group would leave running."""
     plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
                       task="synthetic")
     run_dir = tmp_path / "run"
@@ -39,7 +41,7 @@ def test_an_interrupted_launch_leaves_no_rank_running(tmp_path):
     ranks = []
     try:
         ranks = _ranks_when_up(run_dir, job, count=2)
-        job.send_signal(signal.SIGINT)
+        job.send_signal(sig)
         output, _ = job.communicate(timeout=STOP_TIMEOUT_S)
         left = [r.pid for r in ranks if _alive(r)]
     finally:
@@ -47,7 +49,10 @@ def test_an_interrupted_launch_leaves_no_rank_running(tmp_path):
         for rank in ranks:
             with contextlib.suppress(psutil.NoSuchProcess):
                 rank.kill()
-    assert "KeyboardInterrupt" in output
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in output
+    else:
+        assert job.returncode == 128 + signal.SIGTERM, output[-2000:]
     assert not left, f"ranks {left} still run"
 
 
