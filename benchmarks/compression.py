@@ -123,11 +123,12 @@ def _bucket_rank(rank: int, world: int, port: int, repeats: int, results, device
             sync()
             seconds = torch.tensor([time.perf_counter() - begin], device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            if isinstance(sent, CompressionState):  # read (and reset) after every call
+                (stats,) = sent.telemetry().values()
+                if call >= WARMUP:
+                    parts.append((stats["encode_ms"], stats["decode_ms"]))
             if call >= WARMUP:
                 slowest.append(float(seconds))
-                if isinstance(sent, CompressionState):
-                    (stats,) = sent.telemetry().values()
-                    parts.append((stats["encode_ms"], stats["decode_ms"]))
         sent_bytes = (sent.comm.sent_bytes - sent_before if isinstance(sent, CompressionState)
                       else sent)
         rows.append({"ranks": world, "method": name,

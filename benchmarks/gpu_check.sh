@@ -30,34 +30,63 @@
 #   in each plan precision beside eager, TF32 and autocast ($OUT/op_overhead.txt)
 # library: the library models (transformers: GPT-2, BERT, T5, ViT, Swin, ResNet) on CUDA: a bf16
 #   plan's GEMMs multiply bf16 operands, every plannable op profiled in-step in fp32 and bf16
-# Each step has its own time limit, so one stuck step cannot hide the others' results. The
-# logs end up in $OUT/logs.tgz (the device tool returns at most 8 files).
+# Each step has its own time limit, so one stuck step cannot hide the others' results: at
+# the limit it gets SIGINT (pytest then prints its failures, a run stops its ranks), 20 s
+# later SIGKILL. The logs (the runs' own launch logs among them) are packed into
+# $OUT/logs.tgz after every step, so a call cut short still returns them (the device tool
+# returns at most 8 files). An MPS daemon the hybrid step left is stopped on exit.
 set -u
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-$(mktemp -d)}
-mkdir -p "$OUT" "$WORK"
+LOGS=$WORK/logs
+mkdir -p "$OUT" "$WORK" "$LOGS"
+OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 STEPS=${*:-quant profile train tests kernels buckets}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
+pack_logs() {
+    (cd "$LOGS" && tar czf "$OUT/logs.tgz.part" ./*.log 2> /dev/null) \
+        && mv "$OUT/logs.tgz.part" "$OUT/logs.tgz"
+}
+
 step() {  # step NAME SECONDS COMMAND...: run it, log it, say how it ended
     local name=$1 limit=$2 begin=$SECONDS
     shift 2
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -s INT -k 20 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - begin)) s (limit $limit s)"
-    tail -n 25 "$OUT/$name.log"
+    tail -n 25 "$LOGS/$name.log"
+    pack_logs
 }
+
+mps_running() { pgrep -x nvidia-cuda-mps-control > /dev/null 2>&1; }
+mps_before=no
+mps_running && mps_before=yes
+stop_left_mps() {  # the hybrid step starts MPS for its runs; a cut step may leave it
+    if [ "$mps_before" = no ] && mps_running; then
+        echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+        echo "stopped the MPS daemon the hybrid step left"
+    fi
+}
+trap 'stop_left_mps; pack_logs' EXIT
+trap 'exit 143' TERM INT
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     $PY -c "import torch, numba; from importlib.metadata import version
+def installed(name):
+    try:
+        return version(name)
+    except Exception:
+        return 'missing'
 print('torch', torch.__version__, 'numba', numba.__version__, 'numba-cuda',
-      version('numba-cuda'), 'nccl', torch.cuda.nccl.version(), 'cpus', __import__('os').cpu_count())"
-} 2>&1 | tee "$OUT/env.log"
-if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1
+      installed('numba-cuda'), 'transformers', installed('transformers'), 'nccl',
+      torch.cuda.nccl.version(), 'cpus', __import__('os').cpu_count())"
+} 2>&1 | tee "$LOGS/env.log"
+if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$LOGS/install.log" 2>&1
 then  # the package's layout by links: qsync_lab/, with kernels/ and data/ inside it
-    echo "pip install failed ($(tail -n 1 "$OUT/install.log")): using a linked tree"
+    echo "pip install failed ($(tail -n 1 "$LOGS/install.log")): using a linked tree"
     tree=$(mktemp -d) && cp -rs "$PWD/qsync_lab" "$tree/" \
         && ln -s "$PWD/kernels" "$tree/qsync_lab/kernels" && ln -s "$PWD/data" "$tree/qsync_lab/data"
     export PYTHONPATH=$tree:$PWD
@@ -76,11 +105,12 @@ smoke='from numba import cuda; import numpy as np
 def k(a): a[cuda.grid(1)] += 1
 a = cuda.to_device(np.zeros(64, np.float32)); k[1, 64](a); assert a.copy_to_host().sum() == 64
 print("numba-cuda kernel ran")'
-$PY -c "$smoke" 2>&1 | tail -1 || true
-if ! $PY -c "$smoke" > /dev/null 2>&1 && [ -d /usr/local/cuda ]; then
+if ! smoked=$($PY -c "$smoke" 2>&1) && [ -d /usr/local/cuda ]; then
+    echo "$smoked" | tail -1
     export CUDA_HOME=/usr/local/cuda
-    $PY -c "$smoke" 2>&1 | tail -1
+    smoked=$($PY -c "$smoke" 2>&1)
 fi
+echo "$smoked" | tail -1
 
 user_path() {  # plan and run BERT-base on one rank of this GPU's catalog kind
     local kind
@@ -115,17 +145,24 @@ for name in $STEPS; do
                      --skip-runs --repeats 20 ${COMPRESS_PROFILE:+--profile "$COMPRESS_PROFILE"} ;;
         compress) step compress 120 $PY -m qsync_lab profile --device cuda --model digits_cnn \
                       --precisions fp32 --repeats 5 --compress --out "$OUT/gpu_compress.csv" ;;
-        hooks) step hooks "${HOOKS_LIMIT:-90}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
+        hooks) step hooks "${HOOKS_LIMIT:-150}" "${PYTEST[@]}" tests/compress/test_hook_cuda.py \
                    ${HOOKS_SELECT:+-k "$HOOKS_SELECT"} ;;
         overhead) step overhead 60 $PY benchmarks/op_overhead.py --device cuda \
                       --out "$OUT/op_overhead.txt" ;;
         library) step library 150 "${PYTEST[@]}" -m gpu tests/models/test_library_models.py ;;
-        user) step user 100 env GPU_PROFILE="${GPU_PROFILE:-}" bash -c user_path ;;
+        user) step user 100 env GPU_PROFILE="${GPU_PROFILE:-}" bash -c user_path
+              cp "$WORK/user_run/launch.log" "$LOGS/user_launch.log" 2> /dev/null
+              pack_logs ;;
         hybrid) step hybrid $((${HYBRID_BUDGET:-200} + 40)) $PY benchmarks/hybrid_gpu.py --steps 30 \
                     --budget-s "${HYBRID_BUDGET:-200}" --out "$WORK/hybrid" \
                     ${GPU_PROFILE:+--profile "$GPU_PROFILE"}
-                cp "$WORK"/hybrid/hybrid_gpu.{csv,txt} "$OUT/" 2> /dev/null ;;
+                cp "$WORK"/hybrid/hybrid_gpu.{csv,txt} "$OUT/" 2> /dev/null
+                for log in "$WORK"/hybrid/*/launch.log; do
+                    run=$(basename "$(dirname "$log")")
+                    [ -f "$log" ] && cp "$log" "$LOGS/hybrid_${run}_launch.log"
+                done
+                stop_left_mps
+                pack_logs ;;
         *) echo "unknown step $name" ;;
     esac
 done
-(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

@@ -60,7 +60,8 @@ print(json.dumps(granted))
 
 
 class Stopped(BaseException):
-    """The budget ran out (SIGALRM) or the step's ``timeout`` stopped this script (SIGTERM)."""
+    """The budget ran out (SIGALRM) or the step's ``timeout`` stopped this script (SIGINT,
+    SIGTERM)."""
 
 
 def _stop(signum, _frame):
@@ -289,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 def run_rows(args, cluster: Path, shares: list[int], header: str, *,
              deadline: float) -> pd.DataFrame:
     """Measure every planned row on the GPU, MPS running (or the ranks taking turns), the
-    table written after each; at ``deadline`` (or on SIGTERM) the row running is stopped and
-    the rest skipped. No partitions at all: one failed row that says why."""
+    table written after each; at ``deadline`` (or on SIGINT, SIGTERM) the row running is
+    stopped and the rest skipped. No partitions at all: one failed row that says why."""
     from qsync_lab.errors import QSyncError
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGALRM, _stop)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM):
+        signal.signal(signum, _stop)
     signal.alarm(max(1, round(deadline - time.monotonic())))
     rows: list[dict] = []
     try:

@@ -241,15 +241,17 @@ def _launch_table(x, repeats, sync, label, only=None):
           f"of {repeats} x {LAUNCH_CALLS} calls")
     for name, _, ours, ours_out, theirs in _selected_routines(
             x, only, f"{'host us':>8} {'device us':>9} {'torch host':>10} {'torch device':>12}"):
-        cols = []
-        for fn in (ours_out or ours, theirs):
+        cols, failures = [], []
+        for who, fn in (("ours", ours_out or ours), ("torch", theirs)):
             try:
                 cols += _per_call_us(fn, x, repeats, sync) if fn else [None, None]
-            except (RuntimeError, NotImplementedError):  # a CPU-only torch op on CUDA
-                cols += [None, None]
+            except Exception as err:  # noqa: BLE001 - a CPU-only torch op on CUDA, or a
+                cols += [None, None]  # routine that fails there: its row says so
+                first_line = (str(err).splitlines() or [""])[0][:80]
+                failures.append(f"  {who} failed: {type(err).__name__}: {first_line}")
         text = [f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
                 for v, w in zip(cols, (8, 9, 10, 12))]
-        print(f"{name:34} {' '.join(text)}", flush=True)
+        print(f"{name:34} {' '.join(text)}{''.join(failures)}", flush=True)
 
 
 def _per_call_us(fn, x, repeats, sync):
