@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA, PyTorch, Numba and numba-cuda installed
 # (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
-#   bash benchmarks/gpu_check.sh [step ...]
+#   [BUDGET_S=N] bash benchmarks/gpu_check.sh [step ...]
 #   default: quant profile train tests kernels buckets   (about 8 minutes)
 #   then, in a second call: user hybrid hooks library overhead compress buckets   (about 8
 #   minutes; as many as the device time left allows, in that order)
@@ -50,9 +50,20 @@ pack_logs() {
         && mv "$OUT/logs.tgz.part" "$OUT/logs.tgz"
 }
 
+# BUDGET_S (optional): the seconds this call may take in all (the device tool's timeout_s,
+# less a margin); a step then gets at most what is left of it, and is skipped under 30 s
+BUDGET_S=${BUDGET_S:-}
 step() {  # step NAME SECONDS COMMAND...: run it, log it, say how it ended
     local name=$1 limit=$2 begin=$SECONDS
     shift 2
+    if [ -n "$BUDGET_S" ]; then
+        local left=$((BUDGET_S - SECONDS - 25))  # 25 s: the SIGKILL's grace and the packing
+        if [ "$left" -lt 30 ]; then
+            echo "== $name: skipped ($((BUDGET_S - SECONDS)) s of BUDGET_S=$BUDGET_S left)"
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     timeout -s INT -k 20 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - begin)) s (limit $limit s)"
