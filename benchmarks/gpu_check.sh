@@ -151,7 +151,7 @@ for name in $STEPS; do
                    --budget-s 220 \
                    --out "$OUT" ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
         tests) step tests 40 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
-        kernels) step kernels 60 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
+        kernels) step kernels 80 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
         buckets) step buckets 40 $PY benchmarks/compression.py --device cuda --worlds 1 \
                      --skip-runs --repeats 20 ${COMPRESS_PROFILE:+--profile "$COMPRESS_PROFILE"} ;;
         compress) step compress 120 $PY -m qsync_lab profile --device cuda --model digits_cnn \

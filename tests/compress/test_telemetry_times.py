@@ -2,15 +2,13 @@
 communication, and CUDA buckets are timed with events read only when the telemetry is
 (checked here with a fake CUDA clock; on a GPU in test_hook_cuda.py)."""
 
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from qsync_lab.compress import hook
 from qsync_lab.compress.hook import CompressionState, StandaloneBucket, compression_hook
+from qsync_lab.profile.compression import _one_rank_group
 from qsync_lab.timers import CudaEventTimer
 from tests.fake_cuda import MS_PER_RECORD
 
@@ -19,13 +17,8 @@ MS = 1_000_000  # ns
 
 @pytest.fixture
 def one_rank():
-    with tempfile.TemporaryDirectory() as folder:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with _one_rank_group():  # the compressors' profiler's one-rank gloo group
+        yield
 
 
 def _state(spec: str) -> tuple[CompressionState, nn.Parameter]:
