@@ -197,11 +197,18 @@ def test_the_report_renders_every_figure_offline(browser, tmp_path):
 
 
 def _kernels(server: int) -> list:
-    """The kernel processes Voila (pid ``server``) runs."""
+    """The kernel processes Voila (pid ``server``) runs (a culled one that is gone or not
+    yet reaped, a zombie, runs no more)."""
     import psutil
 
-    return [p for p in psutil.Process(server).children(recursive=True)
-            if "ipykernel" in " ".join(p.cmdline())]
+    kernels = []
+    for process in psutil.Process(server).children(recursive=True):
+        try:
+            if "ipykernel" in " ".join(process.cmdline()):
+                kernels.append(process)
+        except psutil.NoSuchProcess:  # ZombieProcess too
+            continue
+    return kernels
 
 
 def _assert_nothing_clipped(browser) -> None:
