@@ -3,7 +3,7 @@
 # (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
 #   [BUDGET_S=N] bash benchmarks/gpu_check.sh [step ...]
 #   default: quant profile train tests kernels buckets   (about 8 minutes)
-#   then, in a second call: user hybrid hooks library overhead compress buckets   (about 8
+#   then, in a second call: user hybrid hooks compress buckets library overhead   (about 8
 #   minutes; as many as the device time left allows, in that order)
 # (on an H200: quant 37 s, train 132 s a round, user 59 s, a hybrid row 40 s)
 # quant: the quant GPU tests (native fp16/bf16/tf32/int8/fp8 operators, kernels and dtypes per
