@@ -218,9 +218,10 @@ class Study:
         shipped CPU profile (casts, links and the default compressors). Returns what was
         written.
 
-        ``device="cuda"`` measures the ops and the step on this machine's GPU instead, in
-        one process (a rank has a GPU of its own), with CUDA events; the rows are named
-        after the GPU's catalog kind (:func:`~qsync_lab.profile.profile_machine`), e.g.
+        ``device="cuda"`` measures the ops, the step and the compressors on this machine's
+        GPU instead, in one process (a rank has a GPU of its own), with CUDA events; the
+        rows are named after the GPU's catalog kind
+        (:func:`~qsync_lab.profile.profile_machine`), e.g.
         ``study.profile("h100.csv", device="cuda")``."""
         written = profile_model(
             self.name, self.model, self._profile_batch(), self.loss_fn, out,
