@@ -1,4 +1,6 @@
-"""Access to the files shipped in ``qsync_lab.data`` (device catalog, clusters, profiles).
+"""Where files live: those shipped in ``qsync_lab.data`` (device catalog, clusters,
+profiles) and the cache of what this machine measured or derived once
+(``$QSYNC_LAB_CACHE``, default ``~/.cache/qsync_lab``).
 
 Example::
 
@@ -7,8 +9,10 @@ Example::
     'devices.toml'
 """
 
+import os
 from importlib.resources import files
 from importlib.resources.abc import Traversable
+from pathlib import Path
 
 
 def data_file(*parts: str) -> Traversable:
@@ -17,3 +21,8 @@ def data_file(*parts: str) -> Traversable:
     for part in parts:
         node = node / part
     return node
+
+
+def cache_dir() -> Path:
+    """``$QSYNC_LAB_CACHE`` or ``~/.cache/qsync_lab``."""
+    return Path(os.environ.get("QSYNC_LAB_CACHE") or Path.home() / ".cache" / "qsync_lab")

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from qsync_lab.io import atomic_write_text
-from qsync_lab.profile.model_cache import cache_dir
 from qsync_lab.profile.timing import _package_version
+from qsync_lab.resources import cache_dir
 
 __all__ = ["cached_indicator", "indicator_key"]
 

@@ -47,19 +47,15 @@ from qsync_lab.profile.concurrent import profile_ops_concurrently
 from qsync_lab.profile.in_step import profiled_graph
 from qsync_lab.profile.overhead import ddp_calibrated_metadata
 from qsync_lab.profile.timing import run_metadata
+from qsync_lab.resources import cache_dir
 
-__all__ = ["cache_dir", "profile_key", "ranks_profile_model"]
+__all__ = ["profile_key", "ranks_profile_model"]
 
 #: training steps timed per op row, and per whole step (the overheads are calibrated on
 #: those: more steps), after WARMUP untimed ones
 REPEATS, STEP_REPEATS, WARMUP = 6, 20, 2
 #: what a cached profile holds; a new value leaves older ones unread
 CACHE_FORMAT = "model-profile-3"
-
-
-def cache_dir() -> Path:
-    """``$QSYNC_LAB_CACHE`` or ``~/.cache/qsync_lab``."""
-    return Path(os.environ.get("QSYNC_LAB_CACHE") or Path.home() / ".cache" / "qsync_lab")
 
 
 def profile_key(fingerprint: str, batch_sizes: Sequence[int], precisions: Sequence[str], *,

@@ -1,9 +1,14 @@
-"""OpPrecision parsing and validation; the digits split."""
+"""OpPrecision parsing and validation; the digits split and its cache."""
 
+import hashlib
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
-from qsync_lab.datasets import load_digits_split
+from qsync_lab.datasets import digits_split_arrays, load_digits_split
 from qsync_lab.errors import QSyncError
 from qsync_lab.precision import Precision
 from qsync_lab.policy import OpPrecision
@@ -51,3 +56,25 @@ def test_digits_split_is_deterministic_and_standardized():
     assert not torch.equal(load_digits_split(seed=4)[1], y_train)
     with pytest.raises(QSyncError, match="test_fraction"):
         load_digits_split(test_fraction=1.5)
+
+
+def test_the_cached_split_is_scikit_learns_and_spares_its_import(tmp_path, monkeypatch):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    monkeypatch.setenv("QSYNC_LAB_CACHE", str(tmp_path))
+    images, labels = load_digits(return_X_y=True)
+    expected = train_test_split(images, labels, test_size=0.3, random_state=5, stratify=labels)
+    fresh = digits_split_arrays(5, 0.3)
+    (cached,) = (tmp_path / "datasets").iterdir()
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, expected))
+    assert all(np.array_equal(a, b) for a, b in zip(digits_split_arrays(5, 0.3), expected))
+    code = ("import hashlib, sys; from qsync_lab.datasets import load_digits_split; "
+            "x = load_digits_split(5, 0.3)[0]; "
+            "print('sklearn' in sys.modules, hashlib.sha256(x.numpy().tobytes()).hexdigest())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)  # in a fresh process, reading the cache
+    digest = hashlib.sha256(load_digits_split(5, 0.3)[0].numpy().tobytes()).hexdigest()
+    assert done.stdout.split() == ["False", digest]
+    cached.write_bytes(b"not a zip file")  # a damaged cache is computed again
+    assert all(np.array_equal(a, b) for a, b in zip(digits_split_arrays(5, 0.3), expected))
