@@ -13,11 +13,15 @@ import torch.distributed as dist
 from qsync_lab.cluster import load_cluster
 from qsync_lab.graph import trace_graph
 from qsync_lab.plan import Plan
+from qsync_lab.resources import data_file
 from qsync_lab.runtime.checkpoint import load_checkpoint
 from qsync_lab.runtime.launch import stop_run, torchrun_command
 from qsync_lab.runtime.tasks import load_task
 
 LAUNCH_TIMEOUT_S = 240
+#: the shipped CPU profile: a run given it predicts from it instead of first timing its
+#: model's ops (10-50 s here), for the tests whose subject is not the predicted step
+SHIPPED_PROFILE = str(data_file("profiles", "cpu.csv"))
 
 
 def cluster_file(tmp_path: Path, groups: list[str], name: str = "test") -> Path:

@@ -10,7 +10,7 @@ import torch
 
 from qsync_lab.models import get_model
 from qsync_lab.runtime.memory import MemoryWindow, _accounting_flag, peak_cpu_bytes
-from tests.runtime.conftest import LAUNCH_TIMEOUT_S, launch, one_rank_plan
+from tests.runtime.conftest import LAUNCH_TIMEOUT_S, SHIPPED_PROFILE, launch, one_rank_plan
 
 MIB = 2**20
 
@@ -93,8 +93,9 @@ def test_a_runs_peak_counts_its_optimizer(tmp_path):
                           seq_len=32)
     optimizers = ("sgd", "sgd_momentum", "adamw")
     jobs = {optimizer: launch(plan, tmp_path / optimizer, "--steps", "3", "--checkpoint-every",
-                              "0", "--optimizer", optimizer, "--lr", "1e-3", nproc=1,
-                              wait=False) for optimizer in optimizers}  # side by side
+                              "0", "--optimizer", optimizer, "--lr", "1e-3",
+                              "--profile", SHIPPED_PROFILE, nproc=1, wait=False)
+            for optimizer in optimizers}  # side by side
     measured = {}
     for optimizer, job in jobs.items():
         output, _ = job.communicate(timeout=LAUNCH_TIMEOUT_S)

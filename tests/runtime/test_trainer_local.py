@@ -18,7 +18,8 @@ from qsync_lab.runtime.metrics import read_metrics, summary_line
 from qsync_lab.runtime.sampler import UnevenBatchSampler
 from qsync_lab.runtime.tasks import Task, load_task
 from qsync_lab.runtime.trainer import TrainConfig, train
-from tests.runtime.conftest import cluster_file, final_parameters, one_rank_plan, write_plan
+from tests.runtime.conftest import (SHIPPED_PROFILE, cluster_file, final_parameters,
+                                   one_rank_plan, write_plan)
 
 INT8 = {"cpu": {"fc1": "int8", "conv2": "int8"}}
 TINY_BERT = {"vocab_size": 256, "seq_len": 16}
@@ -48,7 +49,8 @@ def test_resume_continues_bit_exactly(tmp_path, single_rank_group):
     plan = one_rank_plan(tmp_path, {"cpu": {"bert.encoder.layer.0.intermediate.dense": "int8"}},
                           model="bert_mini", task="tokens", **TINY_BERT)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    adamw = {"optimizer": "adamw", "lr": 1e-3}  # its two moments must come back too
+    adamw = {"optimizer": "adamw", "lr": 1e-3,  # its two moments must come back too
+             "profiles": (SHIPPED_PROFILE,)}
     train(TrainConfig(str(plan), str(whole), steps=12, checkpoint_every=6, **adamw))
     train(TrainConfig(str(plan), str(split), steps=6, checkpoint_every=6, **adamw))
     halfway = load_checkpoint(checkpoint_path(split, 6)).state
