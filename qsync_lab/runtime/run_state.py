@@ -4,12 +4,18 @@
 :func:`save_run_checkpoint` gathers every rank's own state (RNG states, rounding counters,
 compression and loss-scaler state) beside the model and optimizer, and rank 0 writes it as
 ``checkpoint-<step>.safetensors`` (:mod:`~qsync_lab.runtime.checkpoint`), keeping the last
-``keep_checkpoints``. :func:`restore` continues from the newest checkpoint that verifies,
-exactly: it refuses a checkpoint whose run differs in a setting that defines the run
-(each difference named), and takes a change of a safe option
-(:data:`~qsync_lab.runtime.options.SAFE_CHANGES`) only when ``allow_change`` names it.
+``keep_checkpoints``. A resumed run continues from the newest checkpoint that verifies,
+exactly. :func:`resume_point` checks it first, before the rank times or builds anything:
+it refuses a checkpoint whose run differs in a setting that defines the run (each
+difference named), takes a change of a safe option
+(:data:`~qsync_lab.runtime.options.SAFE_CHANGES`) only when ``allow_change`` names it, and
+finds a complete run complete. :func:`restore` then loads the checkpoint's state into the
+built model (reading it again, inside the run's memory window, as a fresh start's
+tensors are).
 """
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -18,14 +24,14 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.quant import restore_rounding_counters, rounding_counters
 from qsync_lab.runtime.build import RankModel
 from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpoint_path,
-                                          latest_valid_checkpoint, prune_checkpoints,
-                                          restore_rng_state, save_checkpoint,
-                                          settings_differences)
+                                          latest_valid_checkpoint, load_checkpoint,
+                                          prune_checkpoints, restore_rng_state,
+                                          save_checkpoint, settings_differences)
 from qsync_lab.runtime.options import SAFE_CHANGES, option_name
 from qsync_lab.runtime.outputs import METRICS
 from qsync_lab.runtime.rank_context import RankContext
 
-__all__ = ["manifest", "restore", "save_run_checkpoint"]
+__all__ = ["ResumePoint", "manifest", "restore", "resume_point", "save_run_checkpoint"]
 
 #: what restoring a checkpoint's state raises when it is not this run's (entries missing or
 #: of another kind or shape: a file that verifies may still be made by hand)
@@ -55,29 +61,37 @@ def save_run_checkpoint(ctx: RankContext, model: RankModel, step: int,
         prune_checkpoints(ctx.run_dir, step, ctx.config.keep_checkpoints)
 
 
-def restore(ctx: RankContext, model: RankModel) -> tuple[int, int]:
-    """Continue from the newest valid checkpoint (with ``resume``): the step reached and
-    the non-finite steps skipped so far ((0, 0): a fresh start). A checkpoint already at
-    ``steps`` or beyond is not loaded.
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: :func:`resume_point`'s answer."""
+
+    step: int  #: the steps already done (0: a fresh start)
+    checkpoint: Path | None  #: the checkpoint whose state to load (None: none to load)
+
+
+def resume_point(ctx: RankContext) -> ResumePoint:
+    """Where this run starts: step 0 without ``resume`` or a checkpoint, else the newest
+    valid checkpoint, checked against this run's settings. A checkpoint already at
+    ``steps`` or beyond is not loaded (the run is complete).
 
     Raises:
-        QSyncError: the checkpoint's run is not this one (the differences named), or its
-            state is not this run's; one line.
+        QSyncError: the checkpoint's run is not this one (the differences named), or it
+            changes a safe option that ``allow_change`` does not name; one line.
     """
     if not ctx.config.resume:
-        return 0, 0
+        return ResumePoint(0, None)
     saved = latest_valid_checkpoint(ctx.run_dir, warn=ctx.note)
     if saved is None:
         if (ctx.run_dir / METRICS).exists():  # an earlier attempt saved nothing
             ctx.note(f"--resume: no checkpoint in {ctx.run_dir} (none was written yet, "
                      "or --checkpoint-every 0); starting from step 0")
-        return 0, 0
+        return ResumePoint(0, None)
     changed = _changes(ctx, saved, [name for name in ctx.settings if name not in SAFE_CHANGES])
     if changed:
         raise QSyncError(f"--resume: this run differs from its checkpoint in: "
                          f"{_listed(changed)}; start a fresh --run-dir")
     if saved.step >= ctx.config.steps:
-        return saved.step, 0
+        return ResumePoint(saved.step, None)
     changed = _changes(ctx, saved, [name for name in SAFE_CHANGES
                                     if name not in ctx.config.allow_change])
     if changed:
@@ -85,7 +99,18 @@ def restore(ctx: RankContext, model: RankModel) -> tuple[int, int]:
                          f"checkpoint; pass --allow-change "
                          f"{','.join(map(option_name, changed))} to go on so, or resume "
                          "with the checkpoint's values")
-    return saved.step, _load_state(ctx, model, saved)
+    return ResumePoint(saved.step, saved.path)
+
+
+def restore(ctx: RankContext, model: RankModel, point: ResumePoint) -> int:
+    """Load ``point``'s checkpoint state into this rank's built model (nothing without
+    one); the non-finite steps skipped so far.
+
+    Raises:
+        QSyncError: the state, which verifies, is not this run's; one line.
+    """
+    return 0 if point.checkpoint is None else _load_state(ctx, model,
+                                                          load_checkpoint(point.checkpoint))
 
 
 def _changes(ctx: RankContext, saved: Checkpoint, names: list[str]) -> dict[str, str]:

@@ -46,8 +46,10 @@
    (:mod:`~qsync_lab.runtime.summary`).
 
 Before anything is written every rank refuses a symlinked output in the run folder
-(:func:`~qsync_lab.runtime.outputs.check_outputs`), and before the model is built a bad
-``--profile``: no failure waits for the end of training.
+(:func:`~qsync_lab.runtime.outputs.check_outputs`); before the model's ops are timed
+or the model built, a ``resume`` checks its checkpoint (a refusal, or a complete run, in
+seconds: :func:`~qsync_lab.runtime.run_state.resume_point`); and before the model is
+built a bad ``--profile``: no failure waits for the end of training.
 
 The rank's process keeps the host memory it frees (:mod:`qsync_lab.hostmem`), as the
 profiler's processes do: steady steps take no page faults, in the run and in the profile.
@@ -75,7 +77,7 @@ from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.runtime.outputs import METRICS, RANKS, SUMMARY, check_outputs
 from qsync_lab.runtime.rank_context import DEVICE_KIND_ENV, RankContext
-from qsync_lab.runtime.run_state import restore
+from qsync_lab.runtime.run_state import restore, resume_point
 from qsync_lab.runtime.step_loop import StepLoop
 from qsync_lab.runtime.summary import finish, profile_model
 from qsync_lab.runtime.tasks import Task
@@ -112,18 +114,18 @@ def _train_rank(ctx: RankContext) -> dict[str, Any] | None:
     if ctx.rank == 0:
         remove_partial_writes(ctx.run_dir)  # a writer killed mid-write
     _write_rank_file(ctx)
+    point = resume_point(ctx)  # before anything is timed or built
+    if point.step >= ctx.config.steps:
+        missing = "" if (ctx.run_dir / SUMMARY).exists() else (
+            f" (its {SUMMARY} is missing: the run stopped before writing it; "
+            f"{METRICS} has its steps)")
+        ctx.note(f"run already complete at step {point.step}; nothing to do{missing}")
+        return None
     model_profile = profile_model(ctx)
     memory = MemoryWindow(ctx.cuda)  # model build + the first MEMORY_STEPS steps
     try:
         model = build_rank(ctx)
-        start, nonfinite_skipped = restore(ctx, model)
-        if start >= ctx.config.steps:
-            missing = "" if (ctx.run_dir / SUMMARY).exists() else (
-                f" (its {SUMMARY} is missing: the run stopped before writing it; "
-                f"{METRICS} has its steps)")
-            ctx.note(f"run already complete at step {start}; nothing to do{missing}")
-            return None
-        loop = StepLoop(ctx, model, start, nonfinite_skipped)
+        loop = StepLoop(ctx, model, point.step, restore(ctx, model, point))
         loop.run(memory)
     finally:
         memory.close()

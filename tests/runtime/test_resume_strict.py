@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.resources import cache_dir
 from qsync_lab.runtime.__main__ import main
 from qsync_lab.runtime.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from qsync_lab.runtime.metrics import read_metrics
@@ -38,9 +39,12 @@ def test_resuming_a_complete_run_says_so_and_changes_nothing(tmp_path, single_ra
 
 
 def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, single_rank_group):
+    """Before the rank times its model's ops: an adamw run would measure a profile of its
+    own (the optimizer is part of the profile's key)."""
     plan, run = one_rank_plan(tmp_path), tmp_path / "run"
     train(TrainConfig(str(plan), str(run), steps=2, checkpoint_every=2, optimizer="sgd"))
     saved = checkpoint_path(run, 2).read_bytes()
+    profiles = set((cache_dir() / "profiles").iterdir())
     with pytest.raises(QSyncError, match=(  # adamw on an SGD checkpoint: no KeyError
             rf"^--resume: this run differs from its checkpoint in: seed 0 -> 1, lr 0.05 -> "
             rf"0.1, optimizer sgd -> adamw, data digits -> synthetic, data_sha256 {SHA} -> "
@@ -48,6 +52,7 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, single_ra
         train(TrainConfig(str(plan), str(run), steps=4, resume=True, seed=1, lr=0.1,
                           optimizer="adamw", data="synthetic"))
     assert checkpoint_path(run, 2).read_bytes() == saved
+    assert set((cache_dir() / "profiles").iterdir()) == profiles
 
 
 def _sign_task(scale: float) -> Task:
