@@ -16,8 +16,8 @@ from qsync_lab.runtime.checkpoint import checkpoint_path, load_checkpoint
 from qsync_lab.runtime.metrics import read_metrics
 from qsync_lab.runtime.sampler import UnevenBatchSampler
 from qsync_lab.runtime.tasks import load_task
-from tests.runtime.conftest import (cluster_file, final_parameters, free_port, launch, stop,
-                                  write_plan)
+from tests.runtime.conftest import (SHIPPED_PROFILE, cluster_file, final_parameters, free_port,
+                                   launch, stop, write_plan)
 
 MLP_STEPS, LR, MOMENTUM = 8, 0.05, 0.9
 
@@ -44,7 +44,7 @@ def test_fp32_ddp_equals_one_process_on_the_global_batch(tmp_path, batch_sizes):
     plan = write_plan(tmp_path / "plan.json", cluster_file(tmp_path, groups), {},
                       model="digits_mlp", task="synthetic")
     summary = launch(plan, tmp_path / "run", "--data", "synthetic", "--steps", str(MLP_STEPS),
-                     "--lr", str(LR), "--momentum", str(MOMENTUM))
+                     "--lr", str(LR), "--momentum", str(MOMENTUM), "--profile", SHIPPED_PROFILE)
     assert len({r["params_sha256"] for r in summary["ranks"]}) == 1
     ddp, reference = final_parameters(tmp_path / "run"), _single_process_reference(
         batch_sizes, MLP_STEPS)
@@ -85,7 +85,7 @@ def test_a_mixed_plan_trains_on_the_emulated_hybrid(tmp_path):
 
 FAULT_STEPS, FAULT_EVERY = 300, 20
 FAULT_ARGS = ("--data", "synthetic", "--steps", str(FAULT_STEPS), "--checkpoint-every",
-              str(FAULT_EVERY), "--deterministic", "--resume")
+              str(FAULT_EVERY), "--deterministic", "--resume", "--profile", SHIPPED_PROFILE)
 #: torchrun runs this instead of ``-m qsync_lab.runtime``: on the first attempt, rank 0 is
 #: SIGKILLed after the final checkpoint and weights, just before it writes summary.json
 KILLED_BEFORE_THE_SUMMARY = """

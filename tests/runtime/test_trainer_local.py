@@ -70,12 +70,13 @@ def test_resume_with_compression_continues_bit_exactly(tmp_path, single_rank_gro
     plan = one_rank_plan(tmp_path, compression={
         "conv2.weight": "cgx:4,error_feedback=true", "_default": "global_qsgd:8"})
     whole, split = tmp_path / "whole", tmp_path / "split"
-    train(TrainConfig(str(plan), str(whole), steps=8, checkpoint_every=4))
-    train(TrainConfig(str(plan), str(split), steps=4, checkpoint_every=4))
+    shipped = {"profiles": (SHIPPED_PROFILE,)}
+    train(TrainConfig(str(plan), str(whole), steps=8, checkpoint_every=4, **shipped))
+    train(TrainConfig(str(plan), str(split), steps=4, checkpoint_every=4, **shipped))
     saved = load_checkpoint(checkpoint_path(split, 4)).state["ranks"][0]["compression"]
     assert saved["calls"] > 0 and set(saved["residuals"]) == {"conv2.weight"}
     train(TrainConfig(str(plan), str(split), steps=8, checkpoint_every=4, resume=True,
-                      allow_change=("steps",)))
+                      allow_change=("steps",), **shipped))
     records = read_metrics(split / "metrics.jsonl")
     assert records[-1]["compression"]["cgx"]["elements"] > 0
     a, b = (final_parameters(d) for d in (whole, split))
@@ -339,7 +340,8 @@ def test_a_nonfinite_value_stops_the_run_naming_the_step(tmp_path, single_rank_g
     run = tmp_path / "run"
     with pytest.raises(QSyncError, match=f"^non-finite {cause} at step {NONFINITE_STEP}; every "
                        "rank stopped") as err:
-        train(TrainConfig(str(plan), str(run), steps=8, checkpoint_every=2), task=task)
+        train(TrainConfig(str(plan), str(run), steps=8, checkpoint_every=2,
+                          profiles=(SHIPPED_PROFILE,)), task=task)
     assert "\n" not in str(err.value)
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(NONFINITE_STEP + 1))
