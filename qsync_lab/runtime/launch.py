@@ -241,13 +241,15 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
     run_dir = Path(config.run_dir)
     summary = run_dir / SUMMARY
     before = _stamp(summary)
+    steps_before = _count_lines(run_dir / METRICS)  # a resumed run's, shown as done
     with mps_daemon(_shared_gpus(config) if nnodes == 1 else []):
         job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
                     rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
                     env=env, log=not verbose, oversubscribe=oversubscribe)
         log = None if verbose else run_dir / LOG_NAME
         try:
-            returncode = _follow(job, run_dir, config.steps, progress=progress and not verbose)
+            returncode = _follow(job, run_dir, config.steps, steps_before,
+                                 progress=progress and not verbose)
         finally:
             if nnodes == 1:  # torchrun has ended: the next run needs no takeover note
                 forget_ended_holder(run_dir)
@@ -289,14 +291,17 @@ def _show_notes(log: Path) -> None:
             print(line[line.index(_NOTE):], file=sys.stderr)
 
 
-def _follow(job: subprocess.Popen, run_dir: Path, steps: int, *, progress: bool) -> int:
-    """Wait for ``job``, a bar following ``metrics.jsonl``'s lines; the run is stopped if
-    this process is interrupted (Ctrl-C) or terminated (SIGTERM: ``timeout``, a job
+def _follow(job: subprocess.Popen, run_dir: Path, steps: int, steps_before: int, *,
+            progress: bool) -> int:
+    """Wait for ``job``, a bar following ``metrics.jsonl``'s lines (``steps_before`` of them
+    there at the start: done before, not counted in the rate); the run is stopped if this
+    process is interrupted (Ctrl-C) or terminated (SIGTERM: ``timeout``, a job
     scheduler)."""
     from tqdm.auto import tqdm
 
     metrics = run_dir / METRICS
-    with tqdm(total=steps, desc="train", unit="step", disable=not progress) as bar, \
+    with tqdm(total=steps, initial=min(steps_before, steps), desc="train", unit="step",
+              disable=not progress) as bar, \
             _terminate_raises():
         try:
             while job.poll() is None:

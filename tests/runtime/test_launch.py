@@ -93,6 +93,24 @@ def test_the_ranks_notes_reach_the_terminal_and_no_old_summary_is_shown(tmp_path
     assert [line for line in err.splitlines() if "qsync_lab" in line] == [note]
 
 
+def test_a_resumed_runs_bar_starts_at_the_steps_already_done(tmp_path, monkeypatch, capsys):
+    """2 of 4 steps logged before: the bar starts at 2/4 (not at 0/4, filling at a rate no
+    step ran at) and follows the step the ranks log."""
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
+                      task="synthetic")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text('{"step": 0}\n{"step": 1}\n')
+    rank = f"open({str(metrics)!r}, 'a').write('{{\"step\": 2}}\\n')"
+    monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", rank])
+    main(["run", "--plan", str(plan), "--run-dir", str(metrics.parent), "--steps", "4",
+          "--resume"])
+    bars = [part for part in capsys.readouterr().err.replace("\r", "\n").splitlines()
+            if part.startswith("train:")]
+    assert "2/4" in bars[0] and "3/4" in bars[-1]
+    assert not any("0/4" in bar or "1/4" in bar for bar in bars)
+
+
 #: what torchrun 2.x wrote to launch.log when both ranks raised (captured from a real run):
 #: the banner, the ranks' tracebacks, torchrun's own, whose ChildFailedError line is empty
 TORCHRUN_FAILURE_LOG = """
