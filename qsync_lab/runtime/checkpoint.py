@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import random
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 
 from qsync_lab.errors import QSyncError
 from qsync_lab.io import atomic_write_bytes
-from qsync_lab.runtime.outputs import CHECKPOINT_GLOB
+from qsync_lab.runtime.outputs import saved_checkpoints
 
 __all__ = ["Checkpoint", "capture_rng_state", "checkpoint_path", "latest_valid_checkpoint",
            "load_checkpoint", "prune_checkpoints", "remove_partial_writes", "restore_rng_state",
@@ -45,7 +44,6 @@ __all__ = ["Checkpoint", "capture_rng_state", "checkpoint_path", "latest_valid_c
 
 CHECKPOINT_FORMAT = 2
 LEGACY_CHECKPOINT = "checkpoint.pt"
-_NAME = re.compile(r"checkpoint-(\d{8,})\.safetensors")
 _MANIFEST, _STATE = "qsync_lab.manifest", "qsync_lab.state"
 _FRESH_START = "start a fresh --run-dir or re-run without --resume"
 _SCALARS = (type(None), bool, int, float, str)
@@ -131,7 +129,7 @@ def latest_valid_checkpoint(run_dir: "str | os.PathLike[str]",
             ``checkpoint.pt``.
     """
     run_dir = Path(run_dir)
-    paths = [path for _, path in _checkpoints(run_dir)]
+    paths = [path for _, path in saved_checkpoints(run_dir)]
     if not paths and (run_dir / LEGACY_CHECKPOINT).exists():
         raise QSyncError(f"{run_dir / LEGACY_CHECKPOINT} is a pickle checkpoint of an older "
                          f"qsync_lab, never loaded since it can run code; {_FRESH_START}")
@@ -155,7 +153,7 @@ def prune_checkpoints(run_dir: "str | os.PathLike[str]", step: int, keep: int) -
     """Keep the ``keep`` newest checkpoints up to ``step``; remove older ones and any after
     ``step`` (left by an earlier attempt or run that got further, or damaged)."""
     kept = 0
-    for saved_step, path in _checkpoints(Path(run_dir)):
+    for saved_step, path in saved_checkpoints(run_dir):
         if saved_step <= step and kept < keep:
             kept += 1
         else:
@@ -201,14 +199,6 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the run folder's checkpoints, newest first; anything else named
-    like one (a FIFO, a folder) is left alone."""
-    found = ((_NAME.fullmatch(path.name), path) for path in run_dir.glob(CHECKPOINT_GLOB))
-    return sorted(((int(match[1]), path) for match, path in found
-                   if match and path.is_file()), reverse=True)
 
 
 def _plain(value: Any, key: str, tensors: "_Tensors") -> Any:

@@ -20,12 +20,13 @@ Example::
 """
 
 import os
+import re
 from pathlib import Path
 
 from qsync_lab.io import check_no_symlink
 
 __all__ = ["CHECKPOINT_GLOB", "FINAL", "LOG_NAME", "METRICS", "RANKS", "SUMMARY",
-           "check_outputs"]
+           "check_outputs", "saved_checkpoints"]
 
 SUMMARY = "summary.json"
 FINAL = "final.safetensors"
@@ -33,6 +34,7 @@ METRICS = "metrics.jsonl"
 LOG_NAME = "launch.log"
 RANKS = "ranks"  # a folder: each rank's pid file
 CHECKPOINT_GLOB = "checkpoint-*"
+_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d{8,})\.safetensors")
 
 
 def check_outputs(run_dir: "str | os.PathLike[str]") -> None:
@@ -48,3 +50,12 @@ def check_outputs(run_dir: "str | os.PathLike[str]") -> None:
         check_no_symlink(run_dir / name)
     for path in (*run_dir.glob(CHECKPOINT_GLOB), *(run_dir / RANKS).glob("*")):
         check_no_symlink(path)
+
+
+def saved_checkpoints(run_dir: "str | os.PathLike[str]") -> list[tuple[int, Path]]:
+    """(step, path) of the run folder's checkpoints by their names (not verified), newest
+    first; anything else named like one (a FIFO, a folder) is left out."""
+    found = ((_CHECKPOINT_NAME.fullmatch(path.name), path)
+             for path in Path(run_dir).glob(CHECKPOINT_GLOB))
+    return sorted(((int(match[1]), path) for match, path in found
+                   if match and path.is_file()), reverse=True)

@@ -28,10 +28,11 @@ from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpo
                                           prune_checkpoints, restore_rng_state,
                                           save_checkpoint, settings_differences)
 from qsync_lab.runtime.options import SAFE_CHANGES, option_name
-from qsync_lab.runtime.outputs import METRICS
+from qsync_lab.runtime.outputs import METRICS, saved_checkpoints
 from qsync_lab.runtime.rank_context import RankContext
 
-__all__ = ["ResumePoint", "manifest", "restore", "resume_point", "save_run_checkpoint"]
+__all__ = ["ResumePoint", "clear_earlier_run", "manifest", "restore", "resume_point",
+           "save_run_checkpoint"]
 
 #: what restoring a checkpoint's state raises when it is not this run's (entries missing or
 #: of another kind or shape: a file that verifies may still be made by hand)
@@ -100,6 +101,17 @@ def resume_point(ctx: RankContext) -> ResumePoint:
                          f"{','.join(map(option_name, changed))} to go on so, or resume "
                          "with the checkpoint's values")
     return ResumePoint(saved.step, saved.path)
+
+
+def clear_earlier_run(ctx: RankContext) -> None:
+    """On rank 0 of a run that starts at step 0: remove the checkpoints an earlier run left
+    in the folder (a later ``--resume`` would continue that run, or find it complete),
+    saying so."""
+    steps = sorted(step for step, _ in saved_checkpoints(ctx.run_dir))
+    if steps:
+        prune_checkpoints(ctx.run_dir, 0, ctx.config.keep_checkpoints)
+        ctx.note(f"a fresh run in {ctx.run_dir}: removed the earlier run's checkpoints "
+                 f"(steps {', '.join(map(str, steps))}); --resume continues a run instead")
 
 
 def restore(ctx: RankContext, model: RankModel, point: ResumePoint) -> int:

@@ -34,7 +34,9 @@
    optimizer, batches, world size, model, data and its sha256, compression, plan) are not
    the checkpoint's, does nothing when the checkpoint is already at ``steps``, and takes
    other ``steps``, ``checkpoint_every``, ... (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`)
-   only when ``allow_change`` names them (:mod:`~qsync_lab.runtime.run_state`);
+   only when ``allow_change`` names them (:mod:`~qsync_lab.runtime.run_state`). A run
+   that starts at step 0 removes the checkpoints an earlier run left in its folder, saying
+   so, so that a later resume cannot continue that other run;
 6. at the end rank 0 evaluates test accuracy (beside chance: the most frequent test
    label's share) and writes ``summary.json``: measured median step time (after
    ``warmup_steps``, clipped so that at least one step is timed; the summary says how many
@@ -77,7 +79,7 @@ from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.options import TrainConfig
 from qsync_lab.runtime.outputs import METRICS, RANKS, SUMMARY, check_outputs
 from qsync_lab.runtime.rank_context import DEVICE_KIND_ENV, RankContext
-from qsync_lab.runtime.run_state import restore, resume_point
+from qsync_lab.runtime.run_state import clear_earlier_run, restore, resume_point
 from qsync_lab.runtime.step_loop import StepLoop
 from qsync_lab.runtime.summary import finish, profile_model
 from qsync_lab.runtime.tasks import Task
@@ -121,6 +123,8 @@ def _train_rank(ctx: RankContext) -> dict[str, Any] | None:
             f"{METRICS} has its steps)")
         ctx.note(f"run already complete at step {point.step}; nothing to do{missing}")
         return None
+    if point.step == 0 and ctx.rank == 0:
+        clear_earlier_run(ctx)
     model_profile = profile_model(ctx)
     memory = MemoryWindow(ctx.cuda)  # model build + the first MEMORY_STEPS steps
     try:

@@ -127,7 +127,7 @@ def test_resume_notes_what_it_could_not_find(tmp_path, single_rank_group, capsys
 
 
 def test_allow_change_names_only_harmless_settings_and_round_trips():
-    args = runtime_parser().parse_args(["--plan", "p.json", "--allow-change",
+    args = runtime_parser().parse_args(["--plan", "p.json", "--resume", "--allow-change",
                                         "steps,checkpoint-every"])
     config = config_from_args(args)
     assert config.allow_change == ("steps", "checkpoint_every")
@@ -163,3 +163,15 @@ def test_a_verified_checkpoint_with_odd_entries_is_one_line(tmp_path, single_ran
         train(TrainConfig(str(plan), str(run), steps=4, checkpoint_every=2, resume=True,
                           allow_change=("steps",)))
     assert "\n" not in str(err.value) and str(err.value).endswith("start a fresh --run-dir")
+
+
+def test_a_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path, single_rank_group, capsys):
+    """Else a later ``--resume`` would continue, or find complete, the earlier run."""
+    plan, run = one_rank_plan(tmp_path), tmp_path / "run"
+    train(TrainConfig(str(plan), str(run), steps=4, checkpoint_every=2))
+    capsys.readouterr()
+    train(TrainConfig(str(plan), str(run), steps=3, checkpoint_every=0))
+    assert "removed the earlier run's checkpoints (steps 2, 4)" in capsys.readouterr().err
+    assert not list(run.glob("checkpoint-*"))
+    resumed = train(TrainConfig(str(plan), str(run), steps=4, checkpoint_every=2, resume=True))
+    assert resumed is not None and resumed["resumed_from"] == 0
