@@ -173,6 +173,8 @@ def mlp_plan(tmp_path_factory):
     (["--data", "imagenet"], "unknown --data 'imagenet'"),
     (["--nproc-per-node", "3"], "the plan is for 2 ranks"),
     (["--allow-change", "steps,seed"], "a change of 'seed' makes another run"),
+    (["--allow-change", "steps"], "--allow-change applies with --resume"),
+    (["--profile", "no-such.csv"], "cannot read profile no-such.csv"),
 ])
 def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, extra, message):
     """One line on stderr, exit 2, in a fresh process, before torchrun starts (no log)."""
@@ -189,6 +191,15 @@ def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, e
     if extra[0] in ("--steps", "--optimizer", "--lr", "--model-kwargs", "--nproc-per-node",
                     "--allow-change"):
         assert seconds < 2.0, seconds  # checked before torch is imported
+
+
+@pytest.mark.parametrize("run_dir", ["afile", "afile/run"])
+def test_a_run_dir_that_cannot_be_a_folder_is_one_line(mlp_plan, tmp_path, capsys, run_dir):
+    (tmp_path / "afile").write_text("")
+    assert main(["run", "--plan", str(mlp_plan), "--run-dir", str(tmp_path / run_dir)]) == 2
+    assert capsys.readouterr().err == (f"qsync-lab: error: --run-dir {tmp_path / run_dir}: "
+                                       f"{tmp_path / 'afile'} is a file, not a folder; choose "
+                                       "another --run-dir\n")
 
 
 def test_a_broken_pipe_ends_quietly():

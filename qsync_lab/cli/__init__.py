@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     except QSyncError as err:
         print(f"qsync-lab: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a run's ranks are stopped by then (launch)
+        resume = ("; the ranks were stopped: the same command with --resume continues from "
+                  "the last checkpoint") if args.command == "run" else ""
+        print(f"\nqsync-lab: interrupted{resume}", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader (``| head``) left: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -45,7 +45,8 @@ from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check
                                     forget_ended_holder)
 from qsync_lab.runtime.machine import check_cores, check_data, check_devices, cuda_here
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
-from qsync_lab.runtime.outputs import LOG_NAME, METRICS, SUMMARY, check_outputs
+from qsync_lab.runtime.outputs import (LOG_NAME, METRICS, SUMMARY, check_outputs,
+                                       saved_checkpoints)
 from qsync_lab.runtime.task_sizes import default_task_name
 from qsync_lab.tomlfile import show
 
@@ -102,9 +103,14 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
     Raises:
         QSyncError: the first problem, in one line.
     """
+    _check_run_dir_path(Path(config.run_dir))
     if Path(config.run_dir).exists():  # first, at once: a second launch builds no model
         check_run_dir_free(config.run_dir)
         check_outputs(config.run_dir)
+    for profile in config.profiles:  # read in full after the model's checks
+        if not Path(profile).is_file():
+            raise QSyncError(f"cannot read profile {profile}: no such file; give the path to "
+                             "a profile CSV")
     plan = Plan.load(config.plan)
     local_ranks = nproc_per_node or plan.world_size // nnodes
     if local_ranks * nnodes != plan.world_size:
@@ -137,6 +143,18 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
 
         load_cost_model(*config.profiles)
     return plan
+
+
+def _check_run_dir_path(run_dir: Path) -> None:
+    """Raise unless ``run_dir`` is, or can be made, a folder: its nearest existing ancestor
+    is a folder this process may write in."""
+    existing = next(path for path in (run_dir, *run_dir.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        raise QSyncError(f"--run-dir {run_dir}: {existing} is a file, not a folder; choose "
+                         "another --run-dir")
+    if existing != run_dir and not os.access(existing, os.W_OK | os.X_OK):
+        raise QSyncError(f"--run-dir {run_dir}: cannot create it in {existing} (no write "
+                         "permission); choose another --run-dir")
 
 
 def _model_graph(name: str, kwargs: dict[str, Any]) -> "OpGraph":
@@ -183,7 +201,11 @@ def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int
                                max_restarts=max_restarts,
                                runtime_args=runtime_argv(config, threads=threads)[2:])
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise QSyncError(f"cannot create --run-dir {run_dir}: {err.strerror}; choose another "
+                         "--run-dir") from None
     environment = {**os.environ, **(env or {})}
     with contextlib.ExitStack() as stack:
         lock = stack.enter_context(acquire_run_lock(run_dir)) if nnodes == 1 else None
@@ -241,14 +263,17 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
     run_dir = Path(config.run_dir)
     summary = run_dir / SUMMARY
     before = _stamp(summary)
-    steps_before = _count_lines(run_dir / METRICS)  # a resumed run's, shown as done
+    # a resumed run's steps show as done; an earlier run's metrics count once rewritten
+    saved = [step for step, _ in saved_checkpoints(run_dir)] if config.resume else []
+    steps_before = min(max(saved, default=0), config.steps)
+    metrics_before = _stamp(run_dir / METRICS)
     with mps_daemon(_shared_gpus(config) if nnodes == 1 else []):
         job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
                     rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
                     env=env, log=not verbose, oversubscribe=oversubscribe)
         log = None if verbose else run_dir / LOG_NAME
         try:
-            returncode = _follow(job, run_dir, config.steps, steps_before,
+            returncode = _follow(job, run_dir, config.steps, steps_before, metrics_before,
                                  progress=progress and not verbose)
         finally:
             if nnodes == 1:  # torchrun has ended: the next run needs no takeover note
@@ -279,7 +304,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     """``path``'s inode and modification time (None: absent): a file written since differs."""
     try:
         stat = path.stat()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return stat.st_ino, stat.st_mtime_ns
 
@@ -291,23 +316,29 @@ def _show_notes(log: Path) -> None:
             print(line[line.index(_NOTE):], file=sys.stderr)
 
 
-def _follow(job: subprocess.Popen, run_dir: Path, steps: int, steps_before: int, *,
-            progress: bool) -> int:
-    """Wait for ``job``, a bar following ``metrics.jsonl``'s lines (``steps_before`` of them
-    there at the start: done before, not counted in the rate); the run is stopped if this
-    process is interrupted (Ctrl-C) or terminated (SIGTERM: ``timeout``, a job
-    scheduler)."""
+def _follow(job: subprocess.Popen, run_dir: Path, steps: int, steps_before: int,
+            metrics_before: tuple[int, int] | None, *, progress: bool) -> int:
+    """Wait for ``job``, a bar following ``metrics.jsonl``'s lines once the ranks have
+    written it (``metrics_before``: its :func:`_stamp` at the start, an earlier run's
+    lines), from ``steps_before`` (a resumed run's steps, not counted in the rate); the run
+    is stopped if this process is interrupted (Ctrl-C) or terminated (SIGTERM:
+    ``timeout``, a job scheduler)."""
     from tqdm.auto import tqdm
 
     metrics = run_dir / METRICS
-    with tqdm(total=steps, initial=min(steps_before, steps), desc="train", unit="step",
+
+    def follow(bar) -> None:
+        if _stamp(metrics) != metrics_before:
+            _advance(bar, min(_count_lines(metrics), steps))
+
+    with tqdm(total=steps, initial=steps_before, desc="train", unit="step",
               disable=not progress) as bar, \
             _terminate_raises():
         try:
             while job.poll() is None:
                 time.sleep(_POLL_S)
-                _advance(bar, _count_lines(metrics))
-            _advance(bar, _count_lines(metrics))
+                follow(bar)
+            follow(bar)
         except BaseException:
             stop_run(job, run_dir)
             raise
@@ -342,7 +373,7 @@ def _count_lines(path: Path) -> int:
     try:
         with open(path, "rb") as handle:
             return sum(1 for _ in handle)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return 0
 
 
@@ -373,7 +404,8 @@ def rank_error(log: Path | None) -> str:
         return "see the ranks' output above"
     text = log.read_text(encoding="utf-8", errors="replace")
     lines = [_RANK_PREFIX.sub("", line).rstrip() for line in text.splitlines()]
-    own = [line.split(_RUNTIME_ERROR, 1)[1].strip() for line in lines if _RUNTIME_ERROR in line]
+    # the last on its line: two ranks' messages written at once may share one
+    own = [line.rsplit(_RUNTIME_ERROR, 1)[1].strip() for line in lines if _RUNTIME_ERROR in line]
     own = [error for error in own if error]
     if own:
         return own[-1]

@@ -117,6 +117,9 @@ class TrainConfig:
             raise QSyncError(f"--allow-change takes {', '.join(map(option_name, SAFE_CHANGES))}"
                              f"; a change of {option_name(unknown[0])!r} makes another run: "
                              "start a fresh --run-dir")
+        if self.allow_change and not self.resume:
+            raise QSyncError("--allow-change applies with --resume (what a resumed run may "
+                             "change); add --resume, or drop --allow-change for a fresh run")
 
 
 def option_name(setting: str) -> str:

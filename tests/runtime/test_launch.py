@@ -93,22 +93,38 @@ def test_the_ranks_notes_reach_the_terminal_and_no_old_summary_is_shown(tmp_path
     assert [line for line in err.splitlines() if "qsync_lab" in line] == [note]
 
 
-def test_a_resumed_runs_bar_starts_at_the_steps_already_done(tmp_path, monkeypatch, capsys):
-    """2 of 4 steps logged before: the bar starts at 2/4 (not at 0/4, filling at a rate no
-    step ran at) and follows the step the ranks log."""
+@pytest.mark.parametrize("resume", [True, False], ids=["resumed", "fresh"])
+def test_the_bar_counts_this_runs_steps(tmp_path, monkeypatch, capsys, resume):
+    """An earlier run logged 2 steps and checkpointed step 2. Resumed, the bar starts at
+    2/4 (not at 0/4, filling at a rate no step ran at); a fresh run starts at 0/4 and does
+    not count the earlier run's lines. Either way it follows the ranks' lines."""
     plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
                       task="synthetic")
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
     metrics.write_text('{"step": 0}\n{"step": 1}\n')
-    rank = f"open({str(metrics)!r}, 'a').write('{{\"step\": 2}}\\n')"
+    (metrics.parent / "checkpoint-00000002.safetensors").write_text("")
+    # the rank logs its first step: step 2 after the resumed ones, or step 0 afresh
+    line, mode = ('{"step": 2}\n', "a") if resume else ('{"step": 0}\n', "w")
+    rank = f"open({str(metrics)!r}, {mode!r}).write({line!r})"
     monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", rank])
     main(["run", "--plan", str(plan), "--run-dir", str(metrics.parent), "--steps", "4",
-          "--resume"])
+          *(["--resume"] if resume else [])])
     bars = [part for part in capsys.readouterr().err.replace("\r", "\n").splitlines()
             if part.startswith("train:")]
-    assert "2/4" in bars[0] and "3/4" in bars[-1]
-    assert not any("0/4" in bar or "1/4" in bar for bar in bars)
+    if resume:
+        assert "2/4" in bars[0] and "3/4" in bars[-1]
+        assert not any("0/4" in bar or "1/4" in bar for bar in bars)
+    else:
+        assert "0/4" in bars[0] and "1/4" in bars[-1]
+        assert not any("2/4" in bar for bar in bars)
+
+
+def test_two_ranks_errors_on_one_line_give_one(tmp_path):
+    log = tmp_path / "launch.log"
+    error = "--resume: this run differs from its checkpoint in: lr 0.05 -> 0.01"
+    log.write_text(f"qsync_lab.runtime: error: {error}qsync_lab.runtime: error: {error}\n")
+    assert launch.rank_error(log) == error
 
 
 #: what torchrun 2.x wrote to launch.log when both ranks raised (captured from a real run):

@@ -242,7 +242,8 @@ def test_resume_under_another_plan_is_refused(tmp_path, single_rank_group):
     ("on_nonfinite", "ignore", "--on-nonfinite must be one of stop, skip"),
     ("lr", float("nan"), "--lr must be a finite non-negative number"),
     ("optimizer", "lion", "unknown optimizer 'lion'"),
-    ("allow_change", ("lr",), "a change of 'lr' makes another run: start a fresh --run-dir")])
+    ("allow_change", ("lr",), "a change of 'lr' makes another run: start a fresh --run-dir"),
+    ("allow_change", ("steps",), "--allow-change applies with --resume")])
 def test_bad_config_values(field, value, message):
     with pytest.raises(QSyncError, match=message):
         TrainConfig("plan.json", **{field: value})
