@@ -32,9 +32,10 @@ def test_the_facade_example_is_short_and_runs_as_printed(tmp_path):
     assert result["t4_low_precision_ops"] > 0  # the example quantizes something
     # a 30-step run's median, and the profile taken just before it, move with this machine's
     # load (the accuracy itself is measured by benchmarks/predictor_accuracy.py): here only
-    # that the prediction is of the run's order - within a factor of 2 - which a step costed
-    # in the wrong units is not
-    assert 0.5 < summary["predicted_step_ms"] / summary["measured_step_ms"] < 2
+    # that the prediction is of the run's order - within a factor of 3 - which a step costed
+    # in the wrong units is not (a clean-clone CI run predicted 2.1x its measured step: the
+    # profile was taken while the other test process trained two gloo ranks)
+    assert 1 / 3 < summary["predicted_step_ms"] / summary["measured_step_ms"] < 3
     assert {p.name for p in tmp_path.iterdir()} >= {"iteration.json", "local_plan.json",
                                                      "my_cpu.csv", "run"}
 

@@ -57,7 +57,7 @@ def _batch():
 
 def test_each_ops_time_lands_on_that_op():
     inputs, target = _batch()
-    t = time_ops_in_steps(_model(), inputs, target, nn.CrossEntropyLoss(), "fp32", steps=2,
+    t = time_ops_in_steps(_model(), inputs, target, nn.CrossEntropyLoss(), "fp32", steps=5,
                           warmup=1)
     assert len(t.forward_us) == len(t.backward_us) == 6  # five layers and the loss
     slow_forward = [i for i, us in enumerate(t.forward_us) if us >= SLEEP_US]
@@ -72,7 +72,7 @@ def test_gradient_accumulation_hooks_are_not_an_ops_backward():
     model = _model()
     model[4].weight.register_post_accumulate_grad_hook(lambda p: time.sleep(SLEEP_S))
     inputs, target = _batch()
-    t = time_ops_in_steps(model, inputs, target, nn.CrossEntropyLoss(), "fp32", steps=2,
+    t = time_ops_in_steps(model, inputs, target, nn.CrossEntropyLoss(), "fp32", steps=5,
                           warmup=1)
     assert [i for i, us in enumerate(t.backward_us) if us >= SLEEP_US] == [3]
 
