@@ -202,6 +202,22 @@ def test_a_run_dir_that_cannot_be_a_folder_is_one_line(mlp_plan, tmp_path, capsy
                                        "another --run-dir\n")
 
 
+def test_ctrl_c_in_a_run_is_one_line_saying_how_to_continue(mlp_plan, tmp_path, monkeypatch,
+                                                            capsys):
+    """launch stops the ranks on Ctrl-C and lets the KeyboardInterrupt through (see
+    tests/runtime/test_launch.py); the CLI ends in one line, exit 130."""
+    from qsync_lab.runtime import launch
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "launch", interrupted)
+    assert main(["run", "--plan", str(mlp_plan), "--run-dir", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "qsync-lab: interrupted; the ranks were stopped: the same command with --resume "
+        "continues from the last checkpoint")
+
+
 def test_a_broken_pipe_ends_quietly():
     done = subprocess.run(f"{sys.executable} -m qsync_lab graph --model resnet50 --rows 0 | "
                           "head -n 1", shell=True, capture_output=True, text=True, timeout=120)
