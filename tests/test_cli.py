@@ -116,13 +116,14 @@ def test_run_launches_torchrun_on_a_plan(tmp_path, capsys):
     assert "OMP_NUM_THREADS" in log and "test loss" in log  # synthetic: no accuracy shown
     # fewer steps than the default warm-up: at least one step is timed, and the summary says so
     assert (summary["warmup_steps"], summary["timed_steps"]) == (2, 1)
-    # resumed once complete (its summary lost): the ranks' note on the terminal, nothing else
+    # resumed once complete (its summary lost): a note on the terminal, nothing else, and
+    # no process started (the launcher checks the checkpoint: launch.log is the run's)
     (tmp_path / "run" / "summary.json").unlink()
     code, out, err = run(capsys, *argv, "--resume")
-    assert (code, out) == (0, "")
-    notes = [line for line in err.splitlines() if "qsync_lab" in line]  # after the bar
-    assert len(notes) == 1 and notes[0].startswith(
-        "qsync_lab: run already complete at step 3; nothing to do (its summary.json is missing")
+    assert (code, out, (tmp_path / "run" / "launch.log").read_text()) == (0, "", log)
+    assert err.splitlines() == [
+        "qsync_lab: run already complete at step 3; nothing to do (its summary.json is missing: "
+        "the run stopped before writing it; metrics.jsonl has its steps)"]
 
 
 def test_run_emulates_a_gpu_plan_on_the_cpu_and_says_so(tmp_path, capsys):

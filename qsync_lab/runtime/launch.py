@@ -9,9 +9,10 @@ the model and its fingerprint, the options, the profiles), each in one line sayi
 :mod:`~qsync_lab.runtime.lock`) and starts ``python -m torch.distributed.run … -m
 qsync_lab.runtime …`` (:func:`torchrun_command`) in a session of its own, the launcher's
 and the ranks' output in ``<run_dir>/launch.log``; :func:`stop_run` stops it and every
-rank. :func:`launch` starts a run and waits for it, a progress bar following
-``metrics.jsonl``, and shows the ranks' notes (``qsync_lab: …`` lines: a damaged checkpoint
-skipped, a run already complete); a failed run is one line (the ranks' error,
+rank. :func:`launch` checks a ``--resume`` first (a refused one is one line, a complete
+run a note, and neither starts a process), then starts the run and waits for it, a
+progress bar following ``metrics.jsonl``, and shows the ranks' notes (``qsync_lab: …``
+lines: a damaged checkpoint skipped); a failed run is one line (the ranks' error,
 :func:`rank_error`) naming the log. ``verbose=True`` shows the output instead.
 
 Example::
@@ -45,8 +46,7 @@ from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check
                                     forget_ended_holder)
 from qsync_lab.runtime.machine import check_cores, check_data, check_devices, cuda_here
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
-from qsync_lab.runtime.outputs import (LOG_NAME, METRICS, SUMMARY, check_outputs,
-                                       saved_checkpoints)
+from qsync_lab.runtime.outputs import LOG_NAME, METRICS, SUMMARY, check_outputs
 from qsync_lab.runtime.task_sizes import default_task_name
 from qsync_lab.tomlfile import show
 
@@ -196,6 +196,16 @@ def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int
     """
     plan = check_run(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
                      oversubscribe=oversubscribe)
+    return _start_checked(config, plan, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                          rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+                          threads=threads, env=env, log=log)
+
+
+def _start_checked(config: TrainConfig, plan: Plan, *, nproc_per_node: int | None,
+                   nnodes: int, rdzv_endpoint: str | None, max_restarts: int,
+                   threads: int | None, env: dict[str, str] | None,
+                   log: bool) -> subprocess.Popen:
+    """:func:`start` once :func:`check_run` has passed ``plan``."""
     command = torchrun_command(config.plan, nproc_per_node or plan.world_size // nnodes,
                                nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                max_restarts=max_restarts,
@@ -251,26 +261,29 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
            rdzv_endpoint: str | None = None, max_restarts: int = 0, threads: int | None = None,
            verbose: bool = False, progress: bool = True, env: dict[str, str] | None = None,
            oversubscribe: bool = False) -> dict[str, Any] | None:
-    """Start the run (:func:`start`), wait for it, show the ranks' notes on stderr and
-    return the summary this run wrote (None when it wrote none: the run was already
-    complete, as a note said, or rank 0 runs on another node); an interrupt (Ctrl-C) stops
-    it (:func:`stop_run`).
+    """Check the run (:func:`check_run`, and a ``resume`` against its checkpoint), start it
+    (:func:`start`), wait for it, show the ranks' notes on stderr and return the summary
+    this run wrote (None when it wrote none: the run was already complete, as a note said,
+    or rank 0 runs on another node); an interrupt (Ctrl-C) stops it (:func:`stop_run`).
 
     Raises:
-        QSyncError: a check failed (nothing started), or the run failed: the ranks' error
-            and where the full log is, in one line.
+        QSyncError: a check failed or the resume is refused (nothing started), or the run
+            failed: the ranks' error and where the full log is, in one line.
     """
     run_dir = Path(config.run_dir)
     summary = run_dir / SUMMARY
     before = _stamp(summary)
+    plan = check_run(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                     oversubscribe=oversubscribe)
     # a resumed run's steps show as done; an earlier run's metrics count once rewritten
-    saved = [step for step, _ in saved_checkpoints(run_dir)] if config.resume else []
-    steps_before = min(max(saved, default=0), config.steps)
+    steps_before = _resumed_steps(config, plan) if nnodes == 1 else 0
+    if steps_before >= config.steps:
+        return None
     metrics_before = _stamp(run_dir / METRICS)
     with mps_daemon(_shared_gpus(config) if nnodes == 1 else []):
-        job = start(config, nproc_per_node=nproc_per_node, nnodes=nnodes,
-                    rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, threads=threads,
-                    env=env, log=not verbose, oversubscribe=oversubscribe)
+        job = _start_checked(config, plan, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                             rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+                             threads=threads, env=env, log=not verbose)
         log = None if verbose else run_dir / LOG_NAME
         try:
             returncode = _follow(job, run_dir, config.steps, steps_before, metrics_before,
@@ -286,6 +299,27 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
                          f"{rank_error(log)}{where}")
     written = _stamp(summary)
     return json.loads(summary.read_text()) if written not in (None, before) else None
+
+
+def _resumed_steps(config: TrainConfig, plan: Plan) -> int:
+    """The steps a ``--resume`` of ``config`` finds done (0 without one), checked before any
+    rank starts (:func:`~qsync_lab.runtime.run_state.launch_resume_point`); a complete run
+    is said so, with what the check found on the way (damaged newer checkpoints).
+
+    Raises:
+        QSyncError: the resume is refused (the checkpoint is another run's, or changes a
+            setting that ``--allow-change`` does not name); one line.
+    """
+    if not config.resume:
+        return 0
+    from qsync_lab.runtime.run_state import complete_note, launch_resume_point
+
+    warnings: list[str] = []
+    point = launch_resume_point(config, plan, warn=warnings.append)
+    if point.step >= config.steps:  # the ranks would only say so
+        for line in (*warnings, complete_note(Path(config.run_dir), point.step)):
+            print(f"{_NOTE}{line}", file=sys.stderr)
+    return point.step
 
 
 def _shared_gpus(config: TrainConfig) -> list[int]:

@@ -32,7 +32,7 @@ from qsync_lab.runtime.prediction import run_profiles
 from qsync_lab.runtime.sampler import UnevenBatchSampler, loss_weight
 from qsync_lab.runtime.tasks import Task, default_task, load_task
 
-__all__ = ["DEVICE_KIND_ENV", "RankContext"]
+__all__ = ["DEVICE_KIND_ENV", "RankContext", "run_settings", "zoo_task"]
 
 DEVICE_KIND_ENV = "QSYNC_DEVICE_KIND"
 #: options every rank must share besides the run's settings (a rank that resumes alone, or
@@ -72,7 +72,7 @@ class RankContext:
         if self.kind not in self.plan.precisions:
             raise QSyncError(f"{DEVICE_KIND_ENV}={self.kind!r} is not a device kind of the plan "
                              f"({', '.join(self.plan.precisions)})")
-        self.task = task if task is not None else self._zoo_task()
+        self.task = task if task is not None else zoo_task(config, self.plan)
         self.batch_sizes = self.plan.batch_sizes
         self.sampler = UnevenBatchSampler(self.task.num_train, self.batch_sizes, config.seed)
         self.weight = loss_weight(self.batch_sizes, self.rank)
@@ -81,21 +81,7 @@ class RankContext:
             raise QSyncError("--on-nonfinite skip does not work with gradient compression (its "
                              "hooks stop every rank at a non-finite gradient); use "
                              "--on-nonfinite stop or a plan without compression")
-        self.settings = self._settings()
-
-    def _settings(self) -> dict[str, Any]:
-        """What makes this run this run, then the options a resume may change only when
-        ``allow_change`` names them (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`)."""
-        plan = self.plan.to_dict()
-        defining = {
-            "seed": self.config.seed, "lr": self.config.lr, "momentum": self.config.momentum,
-            "optimizer": self.optimizer_name, "batch_sizes": list(self.batch_sizes),
-            "world_size": self.world, "model": self.task.model_name,
-            "model_kwargs": self.task.model_kwargs, "data": self.task.name,
-            "data_sha256": _data_sha256(self.task),
-            "compression": plan["_data"]["compression"],
-            "plan": hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()}
-        return {**defining, **{name: getattr(self.config, name) for name in SAFE_CHANGES}}
+        self.settings = run_settings(config, self.plan, self.task)
 
     def identity(self, graph: OpGraph) -> dict[str, str]:
         """What every rank must share, one field each, so that a difference is named
@@ -113,14 +99,31 @@ class RankContext:
         if self.rank == 0:
             print(f"qsync_lab: {line}", file=sys.stderr)
 
-    def _zoo_task(self) -> Task:
-        model = self.config.model or self.plan.model_name
-        if not model:
-            raise QSyncError("the plan names no model; pass --model (a zoo model)")
-        kwargs = (self.config.model_kwargs if self.config.model_kwargs is not None
-                  else dict(self.plan.model_kwargs))
-        return load_task(self.config.data or default_task(model), model,
-                         seed=self.config.seed, **kwargs)
+
+def zoo_task(config: TrainConfig, plan: Plan) -> Task:
+    """The bundled task a run of ``plan`` trains: its zoo model (``--model`` or the plan's,
+    with ``--model-kwargs`` or the plan's) on ``--data`` or the model's own task."""
+    model = config.model or plan.model_name
+    if not model:
+        raise QSyncError("the plan names no model; pass --model (a zoo model)")
+    kwargs = config.model_kwargs if config.model_kwargs is not None else dict(plan.model_kwargs)
+    return load_task(config.data or default_task(model), model, seed=config.seed, **kwargs)
+
+
+def run_settings(config: TrainConfig, plan: Plan, task: Task) -> dict[str, Any]:
+    """What makes a run this run (a checkpoint records it, a resume compares it), then the
+    options a resume may change only when ``allow_change`` names them
+    (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`). The same on every rank, and in the
+    launcher, which checks a resume before any rank starts."""
+    plan_dict = plan.to_dict()
+    defining = {
+        "seed": config.seed, "lr": config.lr, "momentum": config.momentum,
+        "optimizer": config.optimizer or plan.optimizer, "batch_sizes": list(plan.batch_sizes),
+        "world_size": plan.world_size, "model": task.model_name,
+        "model_kwargs": task.model_kwargs, "data": task.name, "data_sha256": _data_sha256(task),
+        "compression": plan_dict["_data"]["compression"],
+        "plan": hashlib.sha256(json.dumps(plan_dict, sort_keys=True).encode()).hexdigest()}
+    return {**defining, **{name: getattr(config, name) for name in SAFE_CHANGES}}
 
 
 def _data_sha256(task: Task) -> str:

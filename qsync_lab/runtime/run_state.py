@@ -5,7 +5,8 @@
 compression and loss-scaler state) beside the model and optimizer, and rank 0 writes it as
 ``checkpoint-<step>.safetensors`` (:mod:`~qsync_lab.runtime.checkpoint`), keeping the last
 ``keep_checkpoints``. A resumed run continues from the newest checkpoint that verifies,
-exactly. :func:`resume_point` checks it first, before the rank times or builds anything:
+exactly. :func:`resume_point` checks it first, before the rank times or builds anything
+(and :func:`launch_resume_point`, the same check in the launcher, before any rank starts):
 it refuses a checkpoint whose run differs in a setting that defines the run (each
 difference named), takes a change of a safe option
 (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`) only when ``allow_change`` names it, and
@@ -15,24 +16,26 @@ tensors are).
 """
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from qsync_lab.errors import QSyncError
+from qsync_lab.plan import Plan
 from qsync_lab.quant import restore_rounding_counters, rounding_counters
 from qsync_lab.runtime.build import RankModel
 from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpoint_path,
                                           latest_valid_checkpoint, load_checkpoint,
                                           prune_checkpoints, restore_rng_state,
                                           save_checkpoint, settings_differences)
-from qsync_lab.runtime.options import SAFE_CHANGES, option_name
-from qsync_lab.runtime.outputs import METRICS, saved_checkpoints
-from qsync_lab.runtime.rank_context import RankContext
+from qsync_lab.runtime.options import SAFE_CHANGES, TrainConfig, option_name
+from qsync_lab.runtime.outputs import METRICS, SUMMARY, saved_checkpoints
+from qsync_lab.runtime.rank_context import RankContext, run_settings, zoo_task
 
-__all__ = ["ResumePoint", "clear_earlier_run", "manifest", "restore", "resume_point",
-           "save_run_checkpoint"]
+__all__ = ["ResumePoint", "checked_resume", "clear_earlier_run", "complete_note",
+           "launch_resume_point", "manifest", "restore", "resume_point", "save_run_checkpoint"]
 
 #: what restoring a checkpoint's state raises when it is not this run's (entries missing or
 #: of another kind or shape: a file that verifies may still be made by hand)
@@ -72,12 +75,10 @@ class ResumePoint:
 
 def resume_point(ctx: RankContext) -> ResumePoint:
     """Where this run starts: step 0 without ``resume`` or a checkpoint, else the newest
-    valid checkpoint, checked against this run's settings. A checkpoint already at
-    ``steps`` or beyond is not loaded (the run is complete).
+    valid checkpoint, checked against this run's settings (:func:`checked_resume`).
 
     Raises:
-        QSyncError: the checkpoint's run is not this one (the differences named), or it
-            changes a safe option that ``allow_change`` does not name; one line.
+        QSyncError: the checkpoint is not this run's, or changes a setting unasked; one line.
     """
     if not ctx.config.resume:
         return ResumePoint(0, None)
@@ -87,20 +88,57 @@ def resume_point(ctx: RankContext) -> ResumePoint:
             ctx.note(f"--resume: no checkpoint in {ctx.run_dir} (none was written yet, "
                      "or --checkpoint-every 0); starting from step 0")
         return ResumePoint(0, None)
-    changed = _changes(ctx, saved, [name for name in ctx.settings if name not in SAFE_CHANGES])
+    return checked_resume(saved, ctx.settings, ctx.config)
+
+
+def launch_resume_point(config: TrainConfig, plan: Plan,
+                        warn: Callable[[str], None]) -> ResumePoint:
+    """:func:`resume_point` answered by the launcher before any rank starts, on the same
+    settings (:func:`~qsync_lab.runtime.rank_context.run_settings` of the plan's zoo task),
+    so that a refused or complete resume costs no process; the ranks check again.
+
+    Raises:
+        QSyncError: as :func:`resume_point`.
+    """
+    saved = latest_valid_checkpoint(config.run_dir, warn=warn) if config.resume else None
+    if saved is None:
+        return ResumePoint(0, None)
+    return checked_resume(saved, run_settings(config, plan, zoo_task(config, plan)), config)
+
+
+def checked_resume(saved: Checkpoint, settings: dict[str, Any],
+                   config: TrainConfig) -> ResumePoint:
+    """Where a run of ``settings`` resumes from checkpoint ``saved``: its step, with the
+    checkpoint to load unless the run is already complete (the step at ``config.steps`` or
+    beyond).
+
+    Raises:
+        QSyncError: ``saved`` is another run's (the differences named), or it changes a safe
+            option that ``config.allow_change`` does not name; one line.
+    """
+    changed = _changes(saved, settings, [name for name in settings if name not in SAFE_CHANGES])
     if changed:
         raise QSyncError(f"--resume: this run differs from its checkpoint in: "
                          f"{_listed(changed)}; start a fresh --run-dir")
-    if saved.step >= ctx.config.steps:
+    if saved.step >= config.steps:
         return ResumePoint(saved.step, None)
-    changed = _changes(ctx, saved, [name for name in SAFE_CHANGES
-                                    if name not in ctx.config.allow_change])
+    changed = _changes(saved, settings, [name for name in SAFE_CHANGES
+                                         if name not in config.allow_change])
     if changed:
         raise QSyncError(f"--resume: this run changes {_listed(changed)} from its "
                          f"checkpoint; pass --allow-change "
                          f"{','.join(map(option_name, changed))} to go on so, or resume "
                          "with the checkpoint's values")
     return ResumePoint(saved.step, saved.path)
+
+
+def complete_note(run_dir: Path, step: int) -> str:
+    """What a resume of a run complete at ``step`` says (and that its summary is missing,
+    when it is)."""
+    missing = "" if (run_dir / SUMMARY).exists() else (
+        f" (its {SUMMARY} is missing: the run stopped before writing it; {METRICS} has its "
+        "steps)")
+    return f"run already complete at step {step}; nothing to do{missing}"
 
 
 def clear_earlier_run(ctx: RankContext) -> None:
@@ -125,10 +163,10 @@ def restore(ctx: RankContext, model: RankModel, point: ResumePoint) -> int:
                                                           load_checkpoint(point.checkpoint))
 
 
-def _changes(ctx: RankContext, saved: Checkpoint, names: list[str]) -> dict[str, str]:
-    """The settings of ``names`` that differ from the checkpoint's."""
+def _changes(saved: Checkpoint, settings: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """The ``settings`` of ``names`` that differ from the checkpoint's."""
     return settings_differences(saved.manifest.get("settings", {}),
-                                {name: ctx.settings[name] for name in names})
+                                {name: settings[name] for name in names})
 
 
 def _load_state(ctx: RankContext, model: RankModel, saved: Checkpoint) -> int:

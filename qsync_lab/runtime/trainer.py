@@ -77,9 +77,10 @@ from qsync_lab.runtime.gpu_share import backend_for
 from qsync_lab.runtime.lock import lock_for_this_process
 from qsync_lab.runtime.memory import MemoryWindow
 from qsync_lab.runtime.options import TrainConfig
-from qsync_lab.runtime.outputs import METRICS, RANKS, SUMMARY, check_outputs
+from qsync_lab.runtime.outputs import RANKS, check_outputs
 from qsync_lab.runtime.rank_context import DEVICE_KIND_ENV, RankContext
-from qsync_lab.runtime.run_state import clear_earlier_run, restore, resume_point
+from qsync_lab.runtime.run_state import (clear_earlier_run, complete_note, restore,
+                                         resume_point)
 from qsync_lab.runtime.step_loop import StepLoop
 from qsync_lab.runtime.summary import finish, profile_model
 from qsync_lab.runtime.tasks import Task
@@ -118,10 +119,7 @@ def _train_rank(ctx: RankContext) -> dict[str, Any] | None:
     _write_rank_file(ctx)
     point = resume_point(ctx)  # before anything is timed or built
     if point.step >= ctx.config.steps:
-        missing = "" if (ctx.run_dir / SUMMARY).exists() else (
-            f" (its {SUMMARY} is missing: the run stopped before writing it; "
-            f"{METRICS} has its steps)")
-        ctx.note(f"run already complete at step {point.step}; nothing to do{missing}")
+        ctx.note(complete_note(ctx.run_dir, point.step))
         return None
     if point.step == 0 and ctx.rank == 0:
         clear_earlier_run(ctx)

@@ -18,7 +18,12 @@ from qsync_lab.runtime import launch, machine
 from qsync_lab.runtime.metrics import summary_line
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
 
-from .conftest import cluster_file, write_plan
+from qsync_lab.plan import Plan
+from qsync_lab.runtime.checkpoint import checkpoint_path, save_checkpoint
+from qsync_lab.runtime.rank_context import run_settings, zoo_task
+from qsync_lab.runtime.trainer import train
+
+from .conftest import SHIPPED_PROFILE, cluster_file, one_rank_plan, write_plan
 
 RANKS_UP_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
@@ -82,8 +87,8 @@ def test_the_ranks_notes_reach_the_terminal_and_no_old_summary_is_shown(tmp_path
                       task="synthetic")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "summary.json").write_text('{"steps": 3}')  # the finished run's
-    note = "qsync_lab: run already complete at step 3; nothing to do"
+    (run_dir / "summary.json").write_text('{"steps": 3}')  # an earlier run's
+    note = f"qsync_lab: --resume: no checkpoint in {run_dir}; starting from step 0"
     rank = f"import sys; print('train:   0%|  | 0/3\\r' + {note!r}, file=sys.stderr)"
     monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", rank])
     code = main(["run", "--plan", str(plan), "--run-dir", str(run_dir), "--steps", "3",
@@ -103,7 +108,7 @@ def test_the_bar_counts_this_runs_steps(tmp_path, monkeypatch, capsys, resume):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
     metrics.write_text('{"step": 0}\n{"step": 1}\n')
-    (metrics.parent / "checkpoint-00000002.safetensors").write_text("")
+    _checkpoint(metrics.parent, plan, 2, steps=4)
     # the rank logs its first step: step 2 after the resumed ones, or step 0 afresh
     line, mode = ('{"step": 2}\n', "a") if resume else ('{"step": 0}\n', "w")
     rank = f"open({str(metrics)!r}, {mode!r}).write({line!r})"
@@ -118,6 +123,46 @@ def test_the_bar_counts_this_runs_steps(tmp_path, monkeypatch, capsys, resume):
     else:
         assert "0/4" in bars[0] and "1/4" in bars[-1]
         assert not any("2/4" in bar for bar in bars)
+
+
+def _checkpoint(run_dir, plan, step: int, **options) -> None:
+    """A checkpoint at ``step`` of the run that ``TrainConfig(plan, run_dir, **options)``
+    makes, holding no state (the launcher reads only its manifest)."""
+    config, loaded = TrainConfig(str(plan), str(run_dir), **options), Plan.load(plan)
+    save_checkpoint(checkpoint_path(run_dir, step), {}, {
+        "step": step, "settings": run_settings(config, loaded, zoo_task(config, loaded))})
+
+
+def test_a_resume_is_checked_before_any_process_starts(tmp_path, single_rank_group,
+                                                        monkeypatch, capsys):
+    """A complete run is a note and a refused resume one line, with no process started;
+    what a rank resumes, the launcher lets through (it checks the same settings)."""
+    plan, run_dir = one_rank_plan(tmp_path), tmp_path / "run"
+    train(TrainConfig(str(plan), str(run_dir), steps=2, checkpoint_every=2,
+                      profiles=(SHIPPED_PROFILE,)))
+    started = []
+    monkeypatch.setattr(launch, "torchrun_command",
+                        lambda *a, **k: started.append(a) or [sys.executable, "-c", ""])
+
+    def run(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = main(["run", "--plan", str(plan), "--run-dir", str(run_dir), "--resume",
+                     "--checkpoint-every", "2", *args])
+        return code, capsys.readouterr().err
+
+    assert run("--steps", "2") == (0, "qsync_lab: run already complete at step 2; nothing to "
+                                      "do\n")
+    code, err = run("--steps", "3")
+    assert (code, err.splitlines()) == (2, [
+        "qsync-lab: error: --resume: this run changes steps 2 -> 3 from its checkpoint; pass "
+        "--allow-change steps to go on so, or resume with the checkpoint's values"])
+    code, err = run("--steps", "2", "--lr", "0.1", "--momentum", "0.5")
+    assert (code, err.splitlines()) == (2, [
+        "qsync-lab: error: --resume: this run differs from its checkpoint in: lr 0.05 -> 0.1, "
+        "momentum 0.9 -> 0.5; start a fresh --run-dir"])
+    assert started == []
+    run("--steps", "3", "--allow-change", "steps")
+    assert len(started) == 1
 
 
 def test_two_ranks_errors_on_one_line_give_one(tmp_path):
