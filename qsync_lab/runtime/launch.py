@@ -354,16 +354,28 @@ def _follow(job: subprocess.Popen, run_dir: Path, steps: int, steps_before: int,
             metrics_before: tuple[int, int] | None, *, progress: bool) -> int:
     """Wait for ``job``, a bar following ``metrics.jsonl``'s lines once the ranks have
     written it (``metrics_before``: its :func:`_stamp` at the start, an earlier run's
-    lines), from ``steps_before`` (a resumed run's steps, not counted in the rate); the run
-    is stopped if this process is interrupted (Ctrl-C) or terminated (SIGTERM:
-    ``timeout``, a job scheduler)."""
+    lines), from ``steps_before`` (a resumed run's steps); its rate and time count from
+    the first step the ranks log, not the seconds they take to start. The run is stopped
+    if this process is interrupted (Ctrl-C) or terminated (SIGTERM: ``timeout``, a job
+    scheduler)."""
     from tqdm.auto import tqdm
 
     metrics = run_dir / METRICS
+    stepping = False  # whether the ranks have logged a step yet
 
     def follow(bar) -> None:
-        if _stamp(metrics) != metrics_before:
-            _advance(bar, min(_count_lines(metrics), steps))
+        nonlocal stepping
+        if _stamp(metrics) == metrics_before:
+            return
+        done = min(_count_lines(metrics), steps)
+        if done > bar.n and not stepping:  # the first steps: the time so far was start-up
+            stepping = True
+            if not bar.disable:
+                bar.n = bar.last_print_n = done
+                bar.unpause()  # start-up out of the rate and the elapsed time
+                bar.refresh()
+        elif done > bar.n:
+            bar.update(done - bar.n)
 
     with tqdm(total=steps, initial=steps_before, desc="train", unit="step",
               disable=not progress) as bar, \
@@ -396,11 +408,6 @@ def _terminate_raises():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _advance(bar, done: int) -> None:
-    if done > bar.n:
-        bar.update(done - bar.n)
 
 
 def _count_lines(path: Path) -> int:

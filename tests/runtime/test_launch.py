@@ -4,6 +4,7 @@ starts, each refusal naming the way out."""
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,21 @@ def test_the_bar_counts_this_runs_steps(tmp_path, monkeypatch, capsys, resume):
     else:
         assert "0/4" in bars[0] and "1/4" in bars[-1]
         assert not any("2/4" in bar for bar in bars)
+
+
+def test_the_bars_time_starts_at_the_first_step(tmp_path, monkeypatch, capsys):
+    """The ranks take 4 s to start, then log 3 steps 0.2 s apart: the bar's elapsed time
+    and rate are the steps', not the start-up's."""
+    plan = write_plan(tmp_path / "plan.json", "local-cpu", {}, model="digits_mlp",
+                      task="synthetic")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rank = ("import time\ntime.sleep(4)\nfor step in range(3):\n"
+            f"    open({str(metrics)!r}, 'a').write('{{}}\\n')\n    time.sleep(0.2)\n")
+    monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", rank])
+    main(["run", "--plan", str(plan), "--run-dir", str(metrics.parent), "--steps", "3"])
+    last = capsys.readouterr().err.replace("\r", "\n").split("train:")[-1]
+    minutes, seconds = re.search(r"\[(\d+):(\d+)<", last).groups()
+    assert "3/3" in last and int(minutes) * 60 + int(seconds) < 3, last
 
 
 def _checkpoint(run_dir, plan, step: int, **options) -> None:
