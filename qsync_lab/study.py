@@ -254,7 +254,8 @@ class Study:
 
         ``options`` are :class:`~qsync_lab.runtime.options.TrainConfig` fields (``lr``,
         ``optimizer``, ``data``, ...); the prediction uses the study's profiles. The plan is
-        saved as ``run_dir/plan.json`` first.
+        saved as ``run_dir/plan.json`` first (with ``resume=True``, a different plan already
+        there is refused instead: the run it belongs to can still resume).
         """
         return train_plan(plan, steps=steps, run_dir=run_dir, profiles=self.profiles,
                           threads=self.run_threads, verbose=verbose, progress=self.progress,

@@ -112,6 +112,10 @@ def train_plan(plan: Plan, *, steps: int, run_dir: "str | os.PathLike[str]",
                          "under torchrun")
     check_run_dir_free(run_dir)  # the plan of a run still going there is kept
     path = Path(run_dir) / "plan.json"
+    if options.get("resume") and path.exists() and Plan.load(path).to_dict() != plan.to_dict():
+        raise QSyncError(f"resume=True: {path} holds another plan, the one its checkpoints "
+                         f"continue; resume with Plan.load({str(path)!r}) or pass another "
+                         "run_dir")  # kept: that run can still resume
     plan.save(path)
     config = TrainConfig(plan=str(path), run_dir=str(run_dir), steps=steps,
                          profiles=profiles, **options)

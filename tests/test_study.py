@@ -43,3 +43,19 @@ def test_a_module_is_profiled_at_its_example_batch():
     batch = ((torch.randn(3, 4),), torch.tensor([0, 1, 0]))
     study = Study(nn.Linear(4, 2), batch, cluster="local-hybrid", progress=False)
     assert study._profile_batch() is batch
+
+
+def test_a_resume_under_another_plan_keeps_the_runs_plan_file(study_and_plan, tmp_path):
+    """``run_dir/plan.json`` is what a later resume of that run needs: a resume asked with
+    another plan is refused before the file is replaced (a fresh run replaces it)."""
+    from qsync_lab.errors import QSyncError
+
+    study, plan = study_and_plan
+    other = Plan.build(study.graph, study.cluster, {}, strategy="manual", model_name="digits_cnn")
+    path = tmp_path / "plan.json"
+    other.save(path)
+    before = path.read_bytes()
+    with pytest.raises(QSyncError, match=rf"^resume=True: {path} holds another plan, the one "
+                       r"its checkpoints continue; resume with Plan.load\("):
+        study.run(plan, steps=2, run_dir=tmp_path, resume=True)
+    assert path.read_bytes() == before
