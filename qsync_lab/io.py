@@ -29,7 +29,8 @@ from typing import TextIO
 
 from qsync_lab.errors import QSyncError
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_no_symlink", "open_log"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_no_symlink", "check_output_dir",
+           "check_output_file", "open_log"]
 
 
 def atomic_write_text(path: "str | os.PathLike[str]", text: str, *,
@@ -51,8 +52,14 @@ def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes, *,
     """
     target = Path(path)
     check_no_symlink(target, within=within)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    if target.exists() and not target.is_file():  # the rename would replace a device, a pipe
+        raise _not_a_file(target, "")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as err:
+        raise QSyncError(f"cannot write {target}: {err.strerror or err}; choose another "
+                         "path") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -63,6 +70,61 @@ def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes, *,
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_output_file(path: "str | os.PathLike[str]", flag: str, *,
+                      inputs: "tuple[str | os.PathLike[str] | None, ...]" = ()) -> Path:
+    """``path``, once it is sure that a command may write its output file there (``flag``:
+    how the user gave it), before any work: it is named, is no folder, pipe, device or
+    symlink, its folder is or can be made, and it is none of the command's ``inputs``.
+
+    Example: ``check_output_file("plan.json", "--out", inputs=("cpu.csv",))``.
+
+    Raises:
+        QSyncError: what is wrong with it, in one line.
+    """
+    if not str(path):
+        raise QSyncError(f"{flag} is empty; name the file to write")
+    target = Path(path)
+    if target.is_symlink():
+        raise _symlink_error(target)
+    if target.exists() and not target.is_file():
+        raise _not_a_file(target, f"{flag} ")
+    _check_creatable(target.parent, f"{flag} {target}", flag)
+    for given in inputs:
+        if given and target.exists() and Path(given).exists() and target.samefile(given):
+            raise QSyncError(f"{flag} {target} is also an input of this command: writing "
+                             f"would replace it; choose another {flag}")
+    return target
+
+
+def check_output_dir(path: "str | os.PathLike[str]", flag: str) -> Path:
+    """``path``, once it is sure that it is, or can be made, a folder to write in
+    (``flag``: how the user gave it).
+
+    Raises:
+        QSyncError: it is empty, a file or under one, or cannot be made; one line.
+    """
+    if not str(path):
+        raise QSyncError(f"{flag} is empty; name a folder (. for this one)")
+    _check_creatable(Path(path), f"{flag} {path}", flag)
+    return Path(path)
+
+
+def _check_creatable(folder: Path, what: str, flag: str) -> None:
+    """Raise unless ``folder`` is, or can be made, a folder this process writes in: its
+    nearest existing ancestor is a folder it may write in."""
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise QSyncError(f"{what}: {existing} is a file, not a folder; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise QSyncError(f"{what}: cannot write in {existing} (no permission); choose another "
+                         f"{flag}")
+
+
+def _not_a_file(path: Path, flag: str) -> QSyncError:
+    kind = "a folder" if path.is_dir() else "not a regular file (a pipe or a device)"
+    return QSyncError(f"{flag}{path} is {kind}; name a file to write")
 
 
 def open_log(path: "str | os.PathLike[str]") -> TextIO:

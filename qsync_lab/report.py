@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.io import atomic_write_text
+from qsync_lab.io import atomic_write_text, check_output_file
 from qsync_lab.plan import Plan
 from qsync_lab.precision import Precision
 
@@ -53,15 +53,17 @@ def write_report(plan: "Plan | str | os.PathLike[str]", out: "str | os.PathLike[
                  profiles: Sequence["str | os.PathLike[str]"] = (),
                  calibration_batches: int = 2) -> Path:
     """Write :func:`build_report`'s page for ``plan`` (a :class:`~qsync_lab.plan.Plan` or
-    its file) to ``out`` atomically, into an existing folder; returns ``out``.
+    its file) to ``out`` atomically (its folder made if missing); returns ``out``.
 
     Raises:
-        QSyncError: ``out`` is a symlink, a folder or in a missing folder, or the plan is
-            unreadable or not of ``study``'s model and cluster, in one line.
+        QSyncError: ``out`` cannot be written (:func:`~qsync_lab.io.check_output_file`) or
+            is the plan's or a profile's file, or the plan is unreadable or not of
+            ``study``'s model and cluster, in one line.
 
     Example: ``write_report("paper_plan.json", "paper_report.html")``.
     """
-    path = _checked_out(out)
+    path = check_output_file(out, "--out", inputs=(
+        None if isinstance(plan, Plan) else plan, *profiles))
     page = build_report(plan if isinstance(plan, Plan) else Plan.load(plan), study=study,
                         comparison=comparison, profiles=profiles,
                         calibration_batches=calibration_batches)
@@ -188,19 +190,6 @@ def rank_classes(sim) -> pd.DataFrame:
         tensor_peak_gib=("tensor_peak_gib", "max"))
     table[["busy_ms", "idle_ms"]] /= 1e3
     return table
-
-
-def _checked_out(out: "str | os.PathLike[str]") -> Path:
-    """``out``, if a report may be written there (an existing folder, no symlink)."""
-    path = Path(out)
-    if path.is_symlink():
-        raise QSyncError(f"{path} is a symlink; refusing to replace it, write the report "
-                         "elsewhere")
-    if path.is_dir():
-        raise QSyncError(f"{path} is a folder; name the report's file, e.g. {path}/report.html")
-    if not path.parent.is_dir():
-        raise QSyncError(f"cannot write {path}: folder {path.parent} does not exist")
-    return path
 
 
 def _overview(plan: Plan, sim) -> pd.DataFrame:

@@ -17,6 +17,7 @@ import torch
 
 from qsync_lab.cli import main
 from qsync_lab.cli.lab import LAB_NOTEBOOK, lab_environment, voila_command
+from qsync_lab.resources import data_file
 
 TINY_NOTEBOOK = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}}, "cells": [{
@@ -192,6 +193,33 @@ def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, e
     if extra[0] in ("--steps", "--optimizer", "--lr", "--model-kwargs", "--nproc-per-node",
                     "--allow-change"):
         assert seconds < 2.0, seconds  # checked before torch is imported
+
+
+@pytest.mark.parametrize("argv,message", [
+    ("plan --model digits_mlp --cluster local-cpu --profile {csv} --out {csv}",
+     "--out {csv} is also an input of this command: writing would replace it; choose another "
+     "--out"),
+    ("simulate --plan {plan} --trace {plan}", "--trace {plan} is also an input of this "
+     "command: writing would replace it; choose another --trace"),
+    ("simulate --plan {plan} --trace {fifo}", "--trace {fifo} is not a regular file (a pipe "
+     "or a device); name a file to write"),
+    ("graph --model digits_mlp --csv {tmp}", "--csv {tmp} is a folder; name a file to write"),
+    ("profile --model digits_mlp --out {plan}/p.csv", "--out {plan}/p.csv: {plan} is a file, "
+     "not a folder; choose another --out"),
+    ("demo --out {plan}", "--out {plan}: {plan} is a file, not a folder; choose another --out"),
+], ids=["plan-over-its-profile", "trace-over-its-plan", "trace-over-a-fifo", "csv-a-folder",
+        "profile-under-a-file", "demo-into-a-file"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+        mlp_plan, tmp_path, capsys, argv, message):
+    """In one line, and nothing is replaced: neither the command's own input nor a pipe."""
+    csv, fifo = tmp_path / "mine.csv", tmp_path / "fifo"
+    csv.write_bytes(data_file("profiles", "cpu.csv").read_bytes())
+    os.mkfifo(fifo)
+    names = {"csv": csv, "plan": mlp_plan, "fifo": fifo, "tmp": tmp_path}
+    before = {path: path.read_bytes() for path in (csv, mlp_plan)}
+    code, out, err = run(capsys, *argv.format(**names).split())
+    assert (code, out, err) == (2, "", f"qsync-lab: error: {message.format(**names)}\n")
+    assert {path: path.read_bytes() for path in before} == before and fifo.is_fifo()
 
 
 @pytest.mark.parametrize("run_dir", ["afile", "afile/run"])

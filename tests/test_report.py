@@ -65,8 +65,9 @@ def test_the_cli_reports_a_plan_file_with_the_same_numbers(planned, capsys, tmp_
 @pytest.mark.parametrize("case,message", [
     ("missing plan", "cannot read plan"),
     ("unreadable plan", "cannot read plan"),
-    ("missing folder", "does not exist"),
-    ("symlink", "is a symlink; refusing to replace it"),
+    ("under a file", "is a file, not a folder; choose another --out"),
+    ("the plan itself", "is also an input of this command: writing would replace it"),
+    ("symlink", "refusing to write through the symlink"),
     ("folder", "is a folder"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(planned, capsys, tmp_path, case, message):
@@ -76,19 +77,25 @@ def test_bad_input_is_one_line_and_writes_nothing(planned, capsys, tmp_path, cas
     elif case == "unreadable plan":
         plan = tmp_path / "garbage.json"
         plan.write_text("{not json")
-    elif case == "missing folder":
-        out = tmp_path / "no_folder" / "report.html"
+    elif case == "under a file":
+        (tmp_path / "afile").write_text("kept")
+        out = tmp_path / "afile" / "report.html"
+    elif case == "the plan itself":
+        plan = out = tmp_path / "plan.json"
+        plan.write_bytes((planned[2] / "plan.json").read_bytes())
     elif case == "symlink":
         (tmp_path / "target.html").write_text("kept")
         out.symlink_to(tmp_path / "target.html")
     else:
         out.mkdir()
+    kept = out.read_bytes() if out.is_file() else None
     before = sorted(tmp_path.rglob("*"))
     code = main(["report", "--plan", str(plan), "--out", str(out)])
     _, err = capsys.readouterr()
     assert code == 2 and err.startswith("qsync-lab: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert sorted(tmp_path.rglob("*")) == before
+    assert (out.read_bytes() if out.is_file() else None) == kept
     if case == "symlink":
         assert out.is_symlink() and (tmp_path / "target.html").read_text() == "kept"
 

@@ -23,12 +23,14 @@ _OP_COLUMNS = ["kind", "output_shapes", "fwd_gflops", "bwd_gflops", "saved_mb", 
 
 def graph_command(args) -> None:
     """Trace a zoo model; print its operator table, optionally written as CSV too."""
+    from qsync_lab.io import atomic_write_text, check_output_file
+
+    if args.csv is not None:
+        check_output_file(args.csv, "--csv")
     study = _study(args.model, args.batch)
     graph, seconds = _traced(study)
     _print_graph(args.model, graph, seconds, args.rows)
-    if args.csv:
-        from qsync_lab.io import atomic_write_text
-
+    if args.csv is not None:
         atomic_write_text(args.csv, graph.ops.to_csv())
         print(f"\nwrote {len(graph.ops)} operators to {args.csv}")
 
@@ -62,6 +64,9 @@ def clusters_command(args) -> None:
 
 def profile_command(args) -> None:
     """Measure this machine for the models into one profile table; print its path."""
+    from qsync_lab.io import check_output_file
+
+    check_output_file(args.out, "--out")  # before minutes of measuring
     from qsync_lab.compress import CompressionSpec
     from qsync_lab.profile import DEFAULT_COMPRESSION_SPECS, ProfileJob, profile_machine
 
@@ -80,6 +85,9 @@ def profile_command(args) -> None:
 
 def plan_command(args) -> None:
     """Allocate a plan, save it and print its simulated iteration."""
+    from qsync_lab.io import check_output_file
+
+    check_output_file(args.out, "--out", inputs=(args.cluster, *args.profile))
     from qsync_lab.compress import CompressionSettings
     from qsync_lab.study import Study
 
@@ -107,8 +115,11 @@ def simulate_command(args) -> None:
     from qsync_lab.compress import CompressionSettings
     from qsync_lab.optimizers import DEFAULT_OPTIMIZER
     from qsync_lab.plan import Plan
+    from qsync_lab.io import check_output_file
     from qsync_lab.report import rank_classes
 
+    if args.trace is not None:
+        check_output_file(args.trace, "--trace", inputs=(args.plan, args.cluster, *args.profile))
     CompressionSettings.parse(args.compress)  # a bad spec fails before any work
     plan = Plan.load(args.plan) if args.plan else None
     if plan is not None and args.uniform:
@@ -134,7 +145,7 @@ def simulate_command(args) -> None:
     sources = sim.events.groupby("source")["dur_us"].sum() / 1e3
     print("\ntime by cost source (ms, all ranks): "
           + ", ".join(f"{source} {ms:.1f}" for source, ms in sources.items()))
-    if args.trace:
+    if args.trace is not None:
         sim.write_perfetto(args.trace)
         print(f"wrote the trace to {args.trace} (open it in ui.perfetto.dev)")
 
@@ -171,10 +182,13 @@ def run_command(args) -> None:
 
 def demo_command(args) -> None:
     """The main job on built-in defaults (:func:`~qsync_lab.demo.run_demo`)."""
-    from qsync_lab.demo import run_demo
+    from qsync_lab.io import check_output_dir
 
     if args.steps < 1:
         raise QSyncError(f"--steps must be a positive integer, got {args.steps}")
+    check_output_dir(args.out, "--out")
+    from qsync_lab.demo import run_demo
+
     run_demo(args.out, model=args.model, cluster=args.cluster, steps=args.steps)
 
 

@@ -159,7 +159,7 @@ def _add_report_parser(sub) -> None:
     report = sub.add_parser("report", help="write a plan's report: one self-contained HTML "
                             "file with its summary, the strategies compared and the figures")
     report.add_argument("--plan", required=True, help="plan JSON (qsync-lab plan --out)")
-    report.add_argument("--out", required=True, help="HTML file to write (its folder must exist)")
+    report.add_argument("--out", required=True, help="HTML file to write")
     _add_calibration_option(report)
     _add_profile_option(report)
     report.set_defaults(run=commands.report_command)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qsync_lab.errors import QSyncError
-from qsync_lab.io import open_log
+from qsync_lab.io import check_output_dir, open_log
 from qsync_lab.plan import Plan
 from qsync_lab.runtime.gpu_share import mps_daemon, shared_gpus
 from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check_run_dir_free,
@@ -103,7 +103,7 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
     Raises:
         QSyncError: the first problem, in one line.
     """
-    _check_run_dir_path(Path(config.run_dir))
+    check_output_dir(config.run_dir, "--run-dir")
     if Path(config.run_dir).exists():  # first, at once: a second launch builds no model
         check_run_dir_free(config.run_dir)
         check_outputs(config.run_dir)
@@ -143,18 +143,6 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
 
         load_cost_model(*config.profiles)
     return plan
-
-
-def _check_run_dir_path(run_dir: Path) -> None:
-    """Raise unless ``run_dir`` is, or can be made, a folder: its nearest existing ancestor
-    is a folder this process may write in."""
-    existing = next(path for path in (run_dir, *run_dir.absolute().parents) if path.exists())
-    if not existing.is_dir():
-        raise QSyncError(f"--run-dir {run_dir}: {existing} is a file, not a folder; choose "
-                         "another --run-dir")
-    if existing != run_dir and not os.access(existing, os.W_OK | os.X_OK):
-        raise QSyncError(f"--run-dir {run_dir}: cannot create it in {existing} (no write "
-                         "permission); choose another --run-dir")
 
 
 def _model_graph(name: str, kwargs: dict[str, Any]) -> "OpGraph":
