@@ -31,7 +31,7 @@ from qsync_lab.runtime.checkpoint import (Checkpoint, capture_rng_state, checkpo
                                           prune_checkpoints, restore_rng_state,
                                           save_checkpoint, settings_differences)
 from qsync_lab.runtime.options import SAFE_CHANGES, TrainConfig, option_name
-from qsync_lab.runtime.outputs import METRICS, SUMMARY, saved_checkpoints
+from qsync_lab.runtime.outputs import FINAL, METRICS, SUMMARY, saved_checkpoints
 from qsync_lab.runtime.rank_context import RankContext, run_settings, zoo_task
 
 __all__ = ["ResumePoint", "checked_resume", "clear_earlier_run", "complete_note",
@@ -142,14 +142,22 @@ def complete_note(run_dir: Path, step: int) -> str:
 
 
 def clear_earlier_run(ctx: RankContext) -> None:
-    """On rank 0 of a run that starts at step 0: remove the checkpoints an earlier run left
-    in the folder (a later ``--resume`` would continue that run, or find it complete),
-    saying so."""
+    """On rank 0 of a run that starts at step 0: remove what an earlier run left in the
+    folder, saying so: its checkpoints (a later ``--resume`` would continue that run, or
+    find it complete), its summary and final weights (a run that fails would leave them
+    beside its own metrics, as if they were its results)."""
     steps = sorted(step for step, _ in saved_checkpoints(ctx.run_dir))
+    removed = [f"checkpoints (steps {', '.join(map(str, steps))})"] if steps else []
     if steps:
         prune_checkpoints(ctx.run_dir, 0, ctx.config.keep_checkpoints)
-        ctx.note(f"a fresh run in {ctx.run_dir}: removed the earlier run's checkpoints "
-                 f"(steps {', '.join(map(str, steps))}); --resume continues a run instead")
+    for name in (SUMMARY, FINAL):
+        if (ctx.run_dir / name).is_file():
+            (ctx.run_dir / name).unlink()
+            removed.append(name)
+    if removed:
+        listed = ", ".join(removed[:-1]) + " and " + removed[-1] if len(removed) > 1 else removed[0]
+        ctx.note(f"a fresh run in {ctx.run_dir}: removed the earlier run's {listed}; --resume "
+                 "continues a run instead")
 
 
 def restore(ctx: RankContext, model: RankModel, point: ResumePoint) -> int:

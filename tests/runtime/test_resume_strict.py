@@ -165,13 +165,16 @@ def test_a_verified_checkpoint_with_odd_entries_is_one_line(tmp_path, single_ran
     assert "\n" not in str(err.value) and str(err.value).endswith("start a fresh --run-dir")
 
 
-def test_a_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path, single_rank_group, capsys):
-    """Else a later ``--resume`` would continue, or find complete, the earlier run."""
+def test_a_fresh_run_removes_an_earlier_runs_outputs(tmp_path, single_rank_group, capsys):
+    """Else a later ``--resume`` would continue, or find complete, the earlier run, and a
+    fresh run that fails would leave the earlier run's summary and weights as its own."""
     plan, run = one_rank_plan(tmp_path), tmp_path / "run"
     train(TrainConfig(str(plan), str(run), steps=4, checkpoint_every=2))
     capsys.readouterr()
-    train(TrainConfig(str(plan), str(run), steps=3, checkpoint_every=0))
-    assert "removed the earlier run's checkpoints (steps 2, 4)" in capsys.readouterr().err
-    assert not list(run.glob("checkpoint-*"))
+    with pytest.raises(QSyncError, match="non-finite"):  # diverges at once
+        train(TrainConfig(str(plan), str(run), steps=3, checkpoint_every=0, lr=1e30))
+    assert ("removed the earlier run's checkpoints (steps 2, 4), summary.json and "
+            "final.safetensors; --resume continues a run instead") in capsys.readouterr().err
+    assert sorted(path.name for path in run.iterdir()) == [".qsync.lock", "metrics.jsonl", "ranks"]
     resumed = train(TrainConfig(str(plan), str(run), steps=4, checkpoint_every=2, resume=True))
     assert resumed is not None and resumed["resumed_from"] == 0
