@@ -177,6 +177,11 @@ def mlp_plan(tmp_path_factory):
     (["--allow-change", "steps,seed"], "a change of 'seed' makes another run"),
     (["--allow-change", "steps"], "--allow-change applies with --resume"),
     (["--profile", "no-such.csv"], "cannot read profile no-such.csv"),
+    (["--data", "tokens"], "task 'tokens' trains bert_mini, not digits_mlp; use --data"),
+    (["--seed", "-1"], "--seed must be an integer from 0 to 2**32 - 1, got -1"),
+    (["--momentum", "2"], "--momentum must be below 1 (0.9 is usual), got 2.0"),
+    (["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "host:99999"],
+     "--rdzv-endpoint 'host:99999' is not HOST:PORT with a port from 1 to 65535"),
 ])
 def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, extra, message):
     """One line on stderr, exit 2, in a fresh process, before torchrun starts (no log)."""
@@ -191,7 +196,7 @@ def test_run_refuses_bad_input_before_starting_any_process(mlp_plan, tmp_path, e
     assert done.stderr.count("\n") == 1, done.stderr
     assert not run_dir.exists()
     if extra[0] in ("--steps", "--optimizer", "--lr", "--model-kwargs", "--nproc-per-node",
-                    "--allow-change"):
+                    "--allow-change", "--seed", "--momentum"):
         assert seconds < 2.0, seconds  # checked before torch is imported
 
 

@@ -77,6 +77,8 @@ def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
     if nnodes > 1 and not rdzv_endpoint:
         raise QSyncError(f"{nnodes} nodes need a rendezvous: pass --rdzv-endpoint HOST:PORT "
                          "(the same on every node)")
+    if rdzv_endpoint:
+        _check_endpoint(rdzv_endpoint)
     if nnodes == 1 and not rdzv_endpoint:
         rendezvous = ["--standalone"]
     else:
@@ -85,6 +87,14 @@ def torchrun_command(plan: str, nproc_per_node: int, *, nnodes: int = 1,
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
             f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
             "-m", "qsync_lab.runtime", "--plan", str(plan), *runtime_args]
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """Raise unless ``endpoint`` is ``HOST:PORT`` with a port from 1 to 65535."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise QSyncError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT with a port from 1 to "
+                         "65535; e.g. 10.0.0.1:29400 (the same on every node)")
 
 
 def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
@@ -123,8 +133,8 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
     data = config.data or (default_task_name(name) if name else None)
     if data is not None:
         check_data(data, sum(plan.batch_sizes))
-    from qsync_lab.models import list_models, model_spec  # torch: after the other checks
-    from qsync_lab.runtime.tasks import TASKS
+    from qsync_lab.models import list_models  # torch: after the other checks
+    from qsync_lab.runtime.tasks import TASKS, check_task
 
     if not name:
         raise QSyncError(f"plan {config.plan} names no model; pass --model (a zoo model: "
@@ -132,7 +142,7 @@ def check_run(config: TrainConfig, *, nproc_per_node: int | None = None,
     kwargs = dict(config.model_kwargs if config.model_kwargs is not None else plan.model_kwargs)
     if data not in TASKS:
         raise QSyncError(f"unknown --data {data!r}; choose one of: {', '.join(TASKS)}")
-    model_spec(name)  # a zoo model
+    check_task(data, name)  # a zoo model, and one the task's data fits
     graph = _model_graph(name, kwargs)
     try:
         plan.validate(graph)

@@ -110,6 +110,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise QSyncError(f"--{name} must be a finite non-negative number, got {value!r}")
+        if self.momentum >= 1:
+            raise QSyncError(f"--momentum must be below 1 (0.9 is usual), got {self.momentum!r}: "
+                             "at 1 or more the updates grow without bound")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < 2**32:
+            raise QSyncError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed!r}")
         if self.model_kwargs is not None and not isinstance(self.model_kwargs, dict):
             raise QSyncError(f"model_kwargs must be a dict, got {self.model_kwargs!r}")
         unknown = [name for name in self.allow_change if name not in SAFE_CHANGES]

@@ -34,7 +34,8 @@ from qsync_lab.models import example_batch, get_model, model_spec
 from qsync_lab.runtime.task_sizes import (SYNTHETIC_SAMPLES, TOKEN_SAMPLES, ZIPF_TOKEN_SAMPLES,
                                           default_task_name)
 
-__all__ = ["TASKS", "Task", "call_model", "default_task", "load_task", "map_inputs"]
+__all__ = ["TASKS", "Task", "call_model", "check_task", "default_task", "load_task",
+           "map_inputs"]
 
 MNIST1D_LENGTH = 40
 
@@ -117,14 +118,25 @@ def load_task(name: str, model: str | None = None, *, seed: int = 0, **model_kwa
     Raises:
         QSyncError: an unknown task, or a model the task's data does not fit.
     """
+    model = check_task(name, model)
+    return TASKS[name][1](model, seed, dict(model_kwargs))
+
+
+def check_task(name: str, model: str | None = None) -> str:
+    """The zoo model that task ``name`` trains (``model``, or the task's own), once it is
+    sure the task exists and fits it.
+
+    Raises:
+        QSyncError: an unknown task, or a model the task's data does not fit; one line.
+    """
     if name not in TASKS:
         raise QSyncError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
-    own_model, loader = TASKS[name]
+    own_model = TASKS[name][0]
     model = model_spec(model or own_model or _needs_model(name)).name
     if own_model is not None and not _fits(own_model, model):
         raise QSyncError(f"task {name!r} trains {own_model}, not {model}; use --data "
                          f"{default_task(model)} for {model}")
-    return loader(model, seed, dict(model_kwargs))
+    return model
 
 
 def _needs_model(name: str) -> str:
