@@ -20,6 +20,7 @@ Example::
 """
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -67,9 +68,12 @@ def read_link_fits(path: "str | os.PathLike[str]") -> dict[str, LinkSpec]:
         try:
             latency_s = float(fields["latency_us"]) / _US
             bandwidth = float(fields["bandwidth_GBps"]) * _GB
+            if not (0 <= latency_s < math.inf and 0 < bandwidth < math.inf):
+                raise ValueError
         except (KeyError, ValueError):
-            raise QSyncError(f"profile {path}: metadata {key!r} needs latency_us=<number>; "
-                             f"bandwidth_GBps=<number>, got {value!r}") from None
+            raise QSyncError(f"profile {path}: metadata {key!r} needs latency_us=<number >= 0>; "
+                             f"bandwidth_GBps=<number > 0>, got {value!r}; measure the link "
+                             "again (qsync-lab profile)") from None
         name = key[len(_LINK_PREFIX):]
         fits[name] = LinkSpec(name, bandwidth, latency_s,
                               f"fit:{table.source} (R2 {float(fields.get('r2', 'nan')):.4f}, "

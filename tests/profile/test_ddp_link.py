@@ -77,6 +77,21 @@ def test_the_cost_model_broadcasts_over_the_measured_buffer_broadcast(tmp_path):
     assert plain.us == pytest.approx(100 + 1000)  # no broadcast fit: the link's own α
 
 
+@pytest.mark.parametrize("fields", ["latency_us=-50000.0; bandwidth_GBps=2.0",
+                                    "latency_us=40.0; bandwidth_GBps=-1.0",
+                                    "latency_us=40.0; bandwidth_GBps=0.0",
+                                    "latency_us=nan; bandwidth_GBps=2.0",
+                                    "latency_us=40.0; bandwidth_GBps=inf"])
+def test_a_link_fit_no_measurement_gives_is_refused(tmp_path, fields):
+    """A negative latency simulated a 2-rank step of -200 ms; a zero bandwidth, an
+    infinite one."""
+    path = tmp_path / "p.csv"
+    write_device_profile(path, [], {"link.loopback": f"{fields}; r2=1.0"})
+    with pytest.raises(QSyncError, match=r"metadata 'link.loopback' needs latency_us=<number "
+                       r">= 0>; bandwidth_GBps=<number > 0>, got .*; measure the link again"):
+        load_cost_model(path)
+
+
 def test_buffer_broadcast_measurement_runs_real_ddp_steps():
     frame = measure_buffer_broadcast([(16, 1)], steps=3, warmup=1)
     assert frame["buffer_bytes"].tolist() == [2 * 16 * 4 + 8]  # running mean, var, count
