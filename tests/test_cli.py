@@ -61,7 +61,10 @@ def test_models_and_clusters_list_everything(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["graph", "--model", "resnet5"], "unknown model 'resnet5'"),
-    (["graph", "--model", "digits_mlp", "--batch", "0"], "--batch must be a positive integer"),
+    (["graph", "--model", "digits_mlp", "--batch", "0"],
+     "--batch must be an integer from 1 to 1048576, got 0"),
+    (["simulate", "--model", "digits_cnn", "--batch", "100000000"],  # was an allocator error
+     "--batch must be an integer from 1 to 1048576, got 100000000"),
     (["cluster", "no-such-cluster"], "unknown cluster 'no-such-cluster'"),
 ])
 def test_bad_input_is_one_line_on_stderr_with_exit_code_2(capsys, argv, message):

@@ -78,7 +78,8 @@ def profile_command(args) -> None:
                     DEFAULT_COMPRESSION_SPECS])
     written = profile_machine(jobs, args.out, precisions=args.precisions.split(","),
                               threads=args.threads, repeats=args.repeats,
-                              processes=args.processes, method=args.method, links=args.links,
+                              processes=args.processes, method=args.method,
+                              links=None if args.links == "none" else args.links,
                               compression=compression, device=args.device)
     print(written)
 
@@ -205,10 +206,11 @@ def _key_value(item: str, flag: str, form: str, example: str, convert=str):
 
 def _study(name: str, batch: int, **options):
     """The :class:`~qsync_lab.study.Study` of zoo model ``name`` traced at ``batch``."""
+    from qsync_lab.limits import MAX_BATCH_SIZE
     from qsync_lab.study import Study
 
-    if batch < 1:
-        raise QSyncError(f"--batch must be a positive integer, got {batch}")
+    if not 1 <= batch <= MAX_BATCH_SIZE:
+        raise QSyncError(f"--batch must be an integer from 1 to {MAX_BATCH_SIZE}, got {batch}")
     return Study(name, batch_size=batch, progress=False, **options)
 
 

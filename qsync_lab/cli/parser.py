@@ -84,10 +84,10 @@ def _add_profile_parser(sub) -> None:
                          "(they share caches and memory bandwidth; default 1)")
     profile.add_argument("--method", default="in_step", choices=["in_step", "isolated"],
                          help="time ops inside training steps (in_step) or one at a time")
-    profile.add_argument("--links", default="ddp",
+    profile.add_argument("--links", default="ddp", choices=("ddp", "allreduce", "none"),
                          help="fit the allreduce link to real DDP steps of calibration MLPs "
-                         "(ddp, the default: about a minute) or to the allreduce "
-                         "microbenchmark (allreduce)")
+                         "(ddp, the default: about a minute), to the allreduce "
+                         "microbenchmark (allreduce), or not at all (none)")
     profile.add_argument("--compress", nargs="*", metavar="SPEC",
                          help="also time gradient compressors' encode and decode through "
                          "the hook: these specs (e.g. global_qsgd:8 cgx:4,error_feedback=true)"
