@@ -442,6 +442,19 @@ def test_lab_without_its_notebook_is_one_line(capsys, tmp_path):
         "--notebook PATH\n"
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "nosuch"], "unknown model 'nosuch'"),
+    (["--cluster", "nosuch"], "unknown cluster 'nosuch'"),
+    (["--notebook", str(LAB_NOTEBOOK.parent / "devices.toml")], "is not a notebook (.ipynb)"),
+])
+def test_lab_refuses_what_its_page_would_fail_on_before_serving(capsys, monkeypatch, argv,
+                                                                message):
+    """The page showed the error as a traceback once served."""
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("Voila was started"))
+    code, out, err = run(capsys, "lab", *argv)
+    assert (code, out) == (2, "") and message in err and err.count("\n") == 1
+
+
 def test_lab_with_a_negative_idle_time_is_one_line(capsys):
     code, out, err = run(capsys, "lab", "--idle-s", "-1")
     assert code == 2 and out == ""

@@ -79,6 +79,8 @@ def lab_command(args) -> None:
     """
     if not args.notebook.is_file():
         raise QSyncError(f"notebook {args.notebook} not found; pass --notebook PATH")
+    if args.notebook.suffix != ".ipynb":
+        raise QSyncError(f"--notebook {args.notebook} is not a notebook (.ipynb); pass one")
     if not 0 < args.port < 2**16:
         raise QSyncError(f"--port must be in 1..65535, got {args.port}")
     if importlib.util.find_spec("voila") is None:
@@ -88,6 +90,12 @@ def lab_command(args) -> None:
         raise QSyncError(f"--root {args.root} is not a folder; pass an existing one")
     if args.idle_s < 0:
         raise QSyncError(f"--idle-s must be 0 (never stop) or more seconds, got {args.idle_s}")
+    if args.notebook.resolve() == LAB_NOTEBOOK.resolve():  # the lab app opens them
+        from qsync_lab.cluster import load_cluster
+        from qsync_lab.models import model_spec
+
+        model_spec(args.model)
+        load_cluster(args.cluster)
     token = secrets.token_urlsafe(32)
     print(f"serving {args.notebook} at http://127.0.0.1:{args.port}/?token={token} "
           f"(exports go to {args.root.resolve()}; Ctrl-C stops it)", flush=True)
