@@ -183,6 +183,7 @@ def mlp_plan(tmp_path_factory):
     (["--data", "tokens"], "task 'tokens' trains bert_mini, not digits_mlp; use --data"),
     (["--seed", "-1"], "--seed must be an integer from 0 to 2**32 - 1, got -1"),
     (["--momentum", "2"], "--momentum must be below 1 (0.9 is usual), got 2.0"),
+    (["--threads", "1000"], "--threads 1000 per rank: this machine has"),
     (["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "host:99999"],
      "--rdzv-endpoint 'host:99999' is not HOST:PORT with a port from 1 to 65535"),
 ])

@@ -44,7 +44,8 @@ from qsync_lab.plan import Plan
 from qsync_lab.runtime.gpu_share import mps_daemon, shared_gpus
 from qsync_lab.runtime.lock import (LOCK_ENV, LOCK_HELD, acquire_run_lock, check_run_dir_free,
                                     forget_ended_holder)
-from qsync_lab.runtime.machine import check_cores, check_data, check_devices, cuda_here
+from qsync_lab.runtime.machine import (check_cores, check_data, check_devices, check_threads,
+                                       cuda_here)
 from qsync_lab.runtime.options import TrainConfig, runtime_argv
 from qsync_lab.runtime.outputs import LOG_NAME, METRICS, SUMMARY, check_outputs
 from qsync_lab.runtime.task_sizes import default_task_name
@@ -196,14 +197,16 @@ def start(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: int
                      oversubscribe=oversubscribe)
     return _start_checked(config, plan, nproc_per_node=nproc_per_node, nnodes=nnodes,
                           rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-                          threads=threads, env=env, log=log)
+                          threads=threads, env=env, log=log, oversubscribe=oversubscribe)
 
 
 def _start_checked(config: TrainConfig, plan: Plan, *, nproc_per_node: int | None,
                    nnodes: int, rdzv_endpoint: str | None, max_restarts: int,
-                   threads: int | None, env: dict[str, str] | None,
-                   log: bool) -> subprocess.Popen:
+                   threads: int | None, env: dict[str, str] | None, log: bool,
+                   oversubscribe: bool) -> subprocess.Popen:
     """:func:`start` once :func:`check_run` has passed ``plan``."""
+    if threads is not None:
+        check_threads(threads, oversubscribe=oversubscribe)
     command = torchrun_command(config.plan, nproc_per_node or plan.world_size // nnodes,
                                nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                max_restarts=max_restarts,
@@ -281,7 +284,8 @@ def launch(config: TrainConfig, *, nproc_per_node: int | None = None, nnodes: in
     with mps_daemon(_shared_gpus(config) if nnodes == 1 else []):
         job = _start_checked(config, plan, nproc_per_node=nproc_per_node, nnodes=nnodes,
                              rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-                             threads=threads, env=env, log=not verbose)
+                             threads=threads, env=env, log=not verbose,
+                             oversubscribe=oversubscribe)
         log = None if verbose else run_dir / LOG_NAME
         try:
             returncode = _follow(job, run_dir, config.steps, steps_before, metrics_before,

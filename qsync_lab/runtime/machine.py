@@ -33,7 +33,7 @@ from qsync_lab.errors import QSyncError
 from qsync_lab.runtime.task_sizes import TRAIN_SAMPLES
 
 __all__ = ["LOCAL_LINK", "RANKS_PER_CORE", "check_cores", "check_data", "check_devices",
-           "cuda_here", "emulated_kinds", "emulated_on_cpu"]
+           "check_threads", "cuda_here", "emulated_kinds", "emulated_on_cpu"]
 
 #: local ranks a core may carry before ``qsync-lab run`` asks for ``--oversubscribe``
 RANKS_PER_CORE = 2
@@ -55,6 +55,26 @@ def check_cores(local_ranks: int, *, oversubscribe: bool = False,
         f"most {cores * RANKS_PER_CORE}: {RANKS_PER_CORE} per core); re-plan for a smaller "
         "cluster (qsync-lab plan --cluster local-hybrid), run it on its own nodes (--nnodes, "
         "--nproc-per-node, --rdzv-endpoint), or pass --oversubscribe to start them anyway")
+
+
+def check_threads(threads: int, *, oversubscribe: bool = False,
+                  cores: int | None = None) -> None:
+    """Refuse more intra-op threads per rank than this machine has cores (``cores``:
+    default ``os.cpu_count()``), unless ``oversubscribe``.
+
+    Example::
+
+        >>> check_threads(1000, cores=2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        qsync_lab.errors.QSyncError: --threads 1000 per rank: this machine has 2 cores; ...
+    """
+    cores = cores or os.cpu_count() or 1
+    if oversubscribe or threads <= cores:
+        return
+    raise QSyncError(f"--threads {threads} per rank: this machine has {cores} cores; pass at "
+                     f"most {cores} (the default divides them among the ranks), or "
+                     "--oversubscribe to start them anyway")
 
 
 def check_data(task: str, global_batch: int) -> None:
