@@ -137,8 +137,8 @@ def latest_valid_checkpoint(run_dir: "str | os.PathLike[str]",
     for path in paths:
         try:
             checkpoint = load_checkpoint(path)
-        except QSyncError as err:
-            failures.append(str(err))
+        except QSyncError as err:  # what is wrong; the way out depends on what follows
+            failures.append(str(err).removesuffix(f"; {_FRESH_START}"))
             continue
         for failure in failures:
             warn(f"{failure}; resuming from {path.name}")

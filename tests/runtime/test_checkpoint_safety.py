@@ -76,6 +76,7 @@ def test_a_pickle_posing_as_the_newest_checkpoint_is_skipped(tmp_path):
     assert latest_valid_checkpoint(tmp_path, warn=notes.append).step == 10
     assert len(notes) == 1 and "checkpoint-00000020.safetensors is not a qsync_lab " \
         "checkpoint" in notes[0] and notes[0].endswith("resuming from checkpoint-00000010.safetensors")
+    assert "fresh" not in notes[0] and "without --resume" not in notes[0]  # it does resume
     assert not marker.exists()
 
 
