@@ -258,7 +258,7 @@ def test_run_refuses_a_bad_profile_before_starting_torchrun(plan_file, tmp_path,
                  "--profile", str(profile)])
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1
-    assert "bad.csv row 0: time_us must be a number >= 0 and finite, got 'inf'" in err
+    assert "profile bad.csv, data row 1: time_us must be a number >= 0 and finite, got 'inf'" in err
     assert not (tmp_path / "run").exists()
 
 

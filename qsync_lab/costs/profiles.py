@@ -230,13 +230,18 @@ def write_profile(path: "str | os.PathLike[str]", frame: pd.DataFrame,
     atomic_write_text(path, header + frame.to_csv(index=False, lineterminator="\n"))
 
 
+def _named(source: str) -> str:
+    """``profile:cpu.csv`` as an error names it: ``profile cpu.csv``."""
+    return f"profile {source.removeprefix('profile:')}"
+
+
 def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     if "plan_precision" not in frame.columns and "precision" in frame.columns:
         frame = frame.assign(plan_precision=frame["precision"])  # written before the column
     frame = frame.assign(**{c: v for c, v in _OPTIONAL.items() if c not in frame.columns})
     missing = [c for c in PROFILE_COLUMNS if c not in frame.columns]
     if missing:
-        raise QSyncError(f"profile {source} lacks column {missing[0]!r}; "
+        raise QSyncError(f"{_named(source)} lacks column {missing[0]!r}; "
                          f"a profile has columns {', '.join(PROFILE_COLUMNS)}")
     frame = frame.loc[:, list(PROFILE_COLUMNS)].copy()
     for col in _TEXT:
@@ -250,8 +255,8 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
         bad = values.isna() | negative | (values.abs() == math.inf)
         if bad.any():
             row = int(values.index[bad][0])
-            raise QSyncError(f"profile {source} row {row}: {col} must be a number >= 0 and "
-                             f"finite, got {show(str(frame[col].iloc[row]))}")
+            raise QSyncError(f"{_named(source)}, data row {row + 1}: {col} must be a number "
+                             f">= 0 and finite, got {show(str(frame[col].iloc[row]))}")
         frame[col] = values
     text = frame["host_us"].astype(object)
     empty = text.isna() | text.map(lambda v: str(v).strip() in ("", "nan"))  # not measured
@@ -259,13 +264,13 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     bad = (host.isna() & ~empty) | (host < 0) | (host.abs() == math.inf)
     if bad.any():
         row = int(host.index[bad][0])
-        raise QSyncError(f"profile {source} row {row}: host_us must be empty or a number "
-                         f">= 0 and finite, got {show(str(text.iloc[row]))}")
+        raise QSyncError(f"{_named(source)}, data row {row + 1}: host_us must be empty or a "
+                         f"number >= 0 and finite, got {show(str(text.iloc[row]))}")
     frame["host_us"] = host
     bad_phase = ~frame["phase"].isin(PROFILE_PHASES)
     if bad_phase.any():
         row = int(frame.index[bad_phase][0])
-        raise QSyncError(f"profile {source} row {row}: unknown phase "
+        raise QSyncError(f"{_named(source)}, data row {row + 1}: unknown phase "
                          f"{frame['phase'].iloc[row]!r}; use {', '.join(PROFILE_PHASES)}")
     for row, (phase, text, plan) in enumerate(zip(frame["phase"], frame["precision"],
                                                   frame["plan_precision"])):
@@ -273,5 +278,5 @@ def _checked(frame: pd.DataFrame, source: str) -> pd.DataFrame:
             try:
                 Precision.parse(name)
             except QSyncError as err:
-                raise QSyncError(f"profile {source} row {row}: {err}") from None
+                raise QSyncError(f"{_named(source)}, data row {row + 1}: {err}") from None
     return frame.reset_index(drop=True)
