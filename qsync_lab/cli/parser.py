@@ -58,12 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
 
     demo = sub.add_parser("demo", help="the main job on built-in defaults")
-    demo.add_argument("--model", default="bert_base")
-    demo.add_argument("--cluster", default="qsync-paper")
+    demo.add_argument("--model", default="bert_base",
+                      help="zoo model of the paper-scale plans (default bert_base; the local "
+                      "run trains bert_mini)")
+    demo.add_argument("--cluster", default="qsync-paper",
+                      help="cluster of the paper-scale plans (default qsync-paper)")
     demo.add_argument("--out", default="qsync_demo",
                       help="folder for plans, traces, the profile and the run "
                       "(default ./qsync_demo)")
-    demo.add_argument("--steps", type=int, default=30, help="training steps of the local run")
+    demo.add_argument("--steps", type=int, default=30, help="training steps of the local run (default 30)")
     demo.set_defaults(run=commands.demo_command)
     return parser
 
@@ -78,7 +81,7 @@ def _add_profile_parser(sub) -> None:
                          help="comma-separated precisions (default fp32,bf16,int8)")
     profile.add_argument("--threads", type=int, default=1,
                          help="threads per op (= the cores one DDP rank will have; default 1)")
-    profile.add_argument("--repeats", type=int, default=10, help="timed repeats (median)")
+    profile.add_argument("--repeats", type=int, default=10, help="timed repeats (median; default 10)")
     profile.add_argument("--processes", type=int, default=1,
                          help="profile in N processes at once, as N local DDP ranks run "
                          "(they share caches and memory bandwidth; default 1)")

@@ -151,13 +151,14 @@ def runtime_parser(*, add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--model", help="zoo model (default: the plan's)")
     parser.add_argument("--model-kwargs", help="JSON dict of the model's keyword arguments")
     parser.add_argument("--data", help="bundled task: digits, mnist1d, tokens, zipf_tokens, "
-                        "synthetic (default: the model's)")
+                        "synthetic (default: the model's; each trains its own kind of model)")
     parser.add_argument("--steps", type=int, default=100, help="training steps (100)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZER_STATES),
                         help="default: the plan's (its memory prediction counts it)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate (0.05)")
     parser.add_argument("--momentum", type=float, default=0.9, help="sgd_momentum's (0.9)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="model initialisation, data split and order (0)")
     parser.add_argument("--checkpoint-every", type=int, default=20,
                         help="steps between checkpoints (20; 0: none)")
     parser.add_argument("--keep-checkpoints", type=int, default=2,
