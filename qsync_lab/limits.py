@@ -27,13 +27,16 @@ from typing import Any
 from qsync_lab.errors import QSyncError
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_INT", "MAX_RANKS",
-           "check_depth", "check_json_data", "loads_json", "read_bounded_bytes", "too_deep"]
+           "RANKS_PER_CORE", "check_depth", "check_json_data", "loads_json", "read_bounded_bytes", "too_deep"]
 
 MAX_FILE_BYTES = 16 * 2**20  # a plan, cluster or profile file
 MAX_DEPTH = 32  # nested tables and lists
 MAX_RANKS = 4096  # ranks of a cluster (and device count of a group)
 MAX_BATCH_SIZE = 2**20  # per-rank batch size
 MAX_INT = 2**63 - 1  # what a JSON reader elsewhere can hold
+#: local ranks (or profiling processes) a core may carry before ``qsync-lab run`` asks for
+#: ``--oversubscribe`` and ``qsync-lab profile`` refuses
+RANKS_PER_CORE = 2
 
 _JSON_VALUES = (list, tuple, str, int, float, bool, type(None))  # besides tables
 

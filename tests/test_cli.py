@@ -74,6 +74,17 @@ def test_bad_input_is_one_line_on_stderr_with_exit_code_2(capsys, argv, message)
     assert err.count("\n") == 1
 
 
+def test_profiling_more_processes_than_the_cores_carry_is_one_line(capsys, tmp_path):
+    """1000 processes on this machine started profiling (and never finished)."""
+    code, out, err = run(capsys, "profile", "--model", "digits_mlp", "--processes", "1000",
+                         "--out", str(tmp_path / "p.csv"))
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"qsync-lab: error: 1000 processes x 1 threads on this machine's "
+                          f"{os.cpu_count()} cores (at most {2 * os.cpu_count()}) would time "
+                          "contention, not ops")
+    assert not (tmp_path / "p.csv").exists()
+
+
 def test_console_script_entry_point_runs_the_demo(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run([sys.executable, "-m", "qsync_lab", "demo", "--model", "bert_mini",

@@ -56,6 +56,7 @@ from qsync_lab.cluster import load_cluster
 from qsync_lab.costs.profile_links import link_metadata, load_cost_model, write_device_profile
 from qsync_lab.devices import load_catalog
 from qsync_lab.errors import QSyncError
+from qsync_lab.limits import RANKS_PER_CORE
 from qsync_lab.precision import Precision
 from qsync_lab.profile.allreduce import default_sizes, fit_alpha_beta, profile_allreduce
 from qsync_lab.profile.casts import (default_cast_sizes, default_copy_sizes, fit_casts,
@@ -124,6 +125,11 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
     """
     if min(threads, repeats, processes) < 1:
         raise QSyncError("threads, repeats and processes must be positive integers")
+    cores = os.cpu_count() or 1
+    if processes * threads > cores * RANKS_PER_CORE:  # as qsync-lab run allows its ranks
+        raise QSyncError(f"{processes} processes x {threads} threads on this machine's {cores} "
+                         f"cores (at most {cores * RANKS_PER_CORE}) would time contention, not "
+                         "ops; profile with fewer processes or threads")
     if links not in LINK_METHODS:
         raise QSyncError(f"unknown link method {links!r}; choose one of: "
                          f"{', '.join(map(str, LINK_METHODS))}")

@@ -30,13 +30,12 @@ from pathlib import Path
 
 from qsync_lab.cluster import Cluster, RankSpec
 from qsync_lab.errors import QSyncError
+from qsync_lab.limits import RANKS_PER_CORE
 from qsync_lab.runtime.task_sizes import TRAIN_SAMPLES
 
 __all__ = ["LOCAL_LINK", "RANKS_PER_CORE", "check_cores", "check_data", "check_devices",
            "check_threads", "cuda_here", "emulated_kinds", "emulated_on_cpu"]
 
-#: local ranks a core may carry before ``qsync-lab run`` asks for ``--oversubscribe``
-RANKS_PER_CORE = 2
 #: the link between ranks on one machine's CPU (gloo over localhost)
 LOCAL_LINK = "loopback"
 #: where a loaded NVIDIA driver shows itself on Linux (no driver: no CUDA, torch not asked)
