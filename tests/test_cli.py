@@ -74,6 +74,25 @@ def test_bad_input_is_one_line_on_stderr_with_exit_code_2(capsys, argv, message)
     assert err.count("\n") == 1
 
 
+def test_a_baseline_plan_says_which_constraints_it_misses(capsys, tmp_path):
+    """The baselines plan without the constraints (which the plan records): what they miss
+    is said, not left for the run to find."""
+    profile = str(data_file("profiles", "cpu.csv"))
+    code, out, _ = run(capsys, "plan", "--model", "digits_mlp", "--cluster", "local-hybrid",
+                       "--profile", profile, "--strategy", "fp32", "--memory-gb", "T4=1e-7",
+                       "--throughput", "1e12", "--out", str(tmp_path / "p.json"))
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert code == 0 and len(notes) == 2, out
+    assert notes[0].startswith("note: the fp32 plan does not meet T4's memory budget of 1e-07 "
+                               "GiB (its ranks' tensors peak at ")
+    assert re.fullmatch(r"note: the fp32 plan does not meet the throughput target of 1e\+12 "
+                        r"samples/s \(it reaches \d+\)", notes[1])
+    code, out, _ = run(capsys, "plan", "--model", "digits_mlp", "--cluster", "local-hybrid",
+                       "--profile", profile, "--strategy", "fp32", "--out",
+                       str(tmp_path / "p.json"))
+    assert code == 0 and "note:" not in out  # device memory and the fp32 pace: met
+
+
 def test_profiling_more_processes_than_the_cores_carry_is_one_line(capsys, tmp_path):
     """1000 processes on this machine started profiling (and never finished)."""
     code, out, err = run(capsys, "profile", "--model", "digits_mlp", "--processes", "1000",

@@ -108,6 +108,25 @@ def plan_command(args) -> None:
           f"{plan.compression_settings}): iteration {sim.iteration_us / 1e3:.1f} ms, "
           f"{sim.throughput_samples_per_s:.0f} samples/s, low-precision ops {low}, planned in "
           f"{seconds:.2f} s; wrote {args.out}")
+    for line in _unmet_constraints(plan, sim, study.cluster):
+        print(f"note: the {args.strategy} plan does not meet {line}")
+
+
+def _unmet_constraints(plan, sim, cluster) -> list[str]:
+    """The constraints ``plan`` was made under that its simulation ``sim`` misses (the
+    baseline strategies plan without them): each kind's memory budget, the throughput."""
+    peaks = sim.rank_summary().groupby("device")["tensor_peak_gib"].max()
+    unmet = []
+    for kind, peak_gib in peaks.items():
+        budget_gib = plan.constraints.memory_budget_bytes(cluster, kind) / 2**30
+        if peak_gib > budget_gib:
+            unmet.append(f"{kind}'s memory budget of {budget_gib:.3g} GiB (its ranks' tensors "
+                         f"peak at {peak_gib:.3g} GiB)")
+    target = plan.constraints.throughput_samples_per_s
+    if target is not None and sim.throughput_samples_per_s < target:
+        unmet.append(f"the throughput target of {target:g} samples/s (it reaches "
+                     f"{sim.throughput_samples_per_s:.0f})")
+    return unmet
 
 
 def simulate_command(args) -> None:
