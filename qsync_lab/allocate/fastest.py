@@ -100,9 +100,9 @@ def fastest_feasible_plan(evaluator: PlanEvaluator, kind: str, choices: OpChoice
     smallest = plan_for(10.0 ** high)
     least_bytes = min(evaluator.memory_bytes(kind, plan) for plan in (smallest, *starts))
     if least_bytes > budget_bytes:
-        raise QSyncError(f"{kind} needs at least {least_bytes / BYTES_PER_GIB:.2f} GiB per rank "
+        raise QSyncError(f"{kind} needs at least {least_bytes / BYTES_PER_GIB:.3g} GiB per rank "
                          f"for this model and batch, the budget is "
-                         f"{budget_bytes / BYTES_PER_GIB:.2f} GiB; raise the budget or lower "
+                         f"{budget_bytes / BYTES_PER_GIB:.3g} GiB; raise the budget or lower "
                          f"{kind}'s batch size")
     best = smallest
     for _ in range(_BISECTION_STEPS):

@@ -59,7 +59,7 @@ def test_loose_constraints_give_all_fp32(small_case):
 
 def test_memory_budget_below_the_minimum_states_the_minimum(small_case):
     prepared, cluster, costs, scores = small_case
-    with pytest.raises(QSyncError, match=r"T4 needs at least [\d.]+ GiB .* budget is 0.10 GiB") \
+    with pytest.raises(QSyncError, match=r"T4 needs at least [\d.]+ GiB .* budget is 0.1 GiB") \
             as err:
         allocate(prepared, cluster, costs, scores, Constraints(memory_gib={"T4": 0.1}))
     assert "\n" not in str(err.value)
