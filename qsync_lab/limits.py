@@ -27,7 +27,8 @@ from typing import Any
 from qsync_lab.errors import QSyncError
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_INT", "MAX_RANKS",
-           "RANKS_PER_CORE", "check_depth", "check_json_data", "loads_json", "read_bounded_bytes", "too_deep"]
+           "RANKS_PER_CORE", "check_depth", "check_json_data", "loads_json",
+           "read_bounded_bytes", "too_deep"]
 
 MAX_FILE_BYTES = 16 * 2**20  # a plan, cluster or profile file
 MAX_DEPTH = 32  # nested tables and lists

@@ -133,9 +133,9 @@ def simulate_command(args) -> None:
     """Simulate one iteration of a plan file, or of a zoo model under ``--uniform``
     precisions; print it by class of ranks and optionally write its trace."""
     from qsync_lab.compress import CompressionSettings
+    from qsync_lab.io import check_output_file
     from qsync_lab.optimizers import DEFAULT_OPTIMIZER
     from qsync_lab.plan import Plan
-    from qsync_lab.io import check_output_file
     from qsync_lab.report import rank_classes
 
     if args.trace is not None:

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="qsync_demo",
                       help="folder for plans, traces, the profile and the run "
                       "(default ./qsync_demo)")
-    demo.add_argument("--steps", type=int, default=30, help="training steps of the local run (default 30)")
+    demo.add_argument("--steps", type=int, default=30,
+                      help="training steps of the local run (default 30)")
     demo.set_defaults(run=commands.demo_command)
     return parser
 
@@ -81,7 +82,8 @@ def _add_profile_parser(sub) -> None:
                          help="comma-separated precisions (default fp32,bf16,int8)")
     profile.add_argument("--threads", type=int, default=1,
                          help="threads per op (= the cores one DDP rank will have; default 1)")
-    profile.add_argument("--repeats", type=int, default=10, help="timed repeats (median; default 10)")
+    profile.add_argument("--repeats", type=int, default=10,
+                         help="timed repeats (median; default 10)")
     profile.add_argument("--processes", type=int, default=1,
                          help="profile in N processes at once, as N local DDP ranks run "
                          "(they share caches and memory bandwidth; default 1)")

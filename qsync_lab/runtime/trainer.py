@@ -35,8 +35,9 @@
    the checkpoint's, does nothing when the checkpoint is already at ``steps``, and takes
    other ``steps``, ``checkpoint_every``, ... (:data:`~qsync_lab.runtime.options.SAFE_CHANGES`)
    only when ``allow_change`` names them (:mod:`~qsync_lab.runtime.run_state`). A run
-   that starts at step 0 removes the checkpoints an earlier run left in its folder, saying
-   so, so that a later resume cannot continue that other run;
+   that starts at step 0 removes the checkpoints, summary and final weights an earlier run
+   left in its folder, saying so, so that a later resume cannot continue that other run
+   and a failed run leaves no other run's results beside its own;
 6. at the end rank 0 evaluates test accuracy (beside chance: the most frequent test
    label's share) and writes ``summary.json``: measured median step time (after
    ``warmup_steps``, clipped so that at least one step is timed; the summary says how many
