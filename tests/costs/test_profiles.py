@@ -183,18 +183,20 @@ def test_a_profile_without_host_times_reads_as_before(work, tmp_path):
 def test_host_times_match_like_op_times_else_the_median_of_the_kind(work, tmp_path):
     h100 = load_catalog().device("H100-SXM5-80GB")
     key = shape_key(work, 0, 32)
-    rows = [_row(device=h100.name, op="", shape_key=key, time_us=5.0, host_us=h)
-            for h in (30.0, 50.0)]  # the same shapes timed twice: the mean
+    # the same shapes timed in three places of a step, one of which stalled: the median
+    rows = [_row(device=h100.name, op="", shape_key=key, time_us=t, host_us=h)
+            for t, h in ((5.0, 30.0), (6.0, 50.0), (900.0, 50000.0))]
     rows.append(_row(device=h100.name, kind="activation", op="1", time_us=2.0, host_us=10.0))
     write_profile(tmp_path / "gpu.csv", pd.DataFrame(rows))
     model = CostModel.from_profiles(tmp_path / "gpu.csv")
     host = model.op_host_times_us(work, h100, batch_size=32, phase="forward",
                                   plan_precisions=["fp16"] * 3)
     # op 0 by its shapes; op 1 its own row; op 2 (no row) the median linear
-    assert host.tolist() == [40.0, 10.0, 40.0]
+    assert host.tolist() == [50.0, 10.0, 50.0]
+    assert model.op_time_us(work, "0", "fp16", h100, batch_size=32).us == 6.0
     at_64 = model.op_host_times_us(work, h100, batch_size=64, phase="forward",
                                    plan_precisions=["fp16"] * 3)
-    assert at_64.tolist() == [40.0, 10.0, 40.0]  # issuing an op costs the same at any size
+    assert at_64.tolist() == [50.0, 10.0, 50.0]  # issuing an op costs the same at any size
     other_phase = model.op_host_times_us(work, h100, batch_size=32, phase="backward_input",
                                          plan_precisions=["fp16"] * 3)
     assert np.isnan(other_phase).all()
