@@ -30,6 +30,10 @@ as failed with the exception's last line; the others still run. Rows left when
 ``<out>/gpu_training.csv`` and ``.txt`` (``--out``, default ``$OUT`` or ``./gpu_out``).
 ``--tiny`` trains small stand-ins (BERT-mini at width 64, the digits CNN, a 2-block GPT
 decoder) for 2 warm-up and 3 timed steps: the CPU check of the whole table.
+``--repredict TABLE`` trains nothing: it predicts the plan rows of a measured table again
+with this code's cost model (on any machine; ``--kind`` names the card's catalog kind),
+into ``gpu_training_repredicted.csv`` and ``.txt``. A qsync row's plan is made again too:
+``low_precision_ops_now`` says whether it is still the plan that was measured.
 
 The card is mapped to its catalog kind by name and memory (``--kind`` to choose one).
 TF32 is switched by torch's legacy flags before each row: for the plans as the trainer sets
@@ -42,6 +46,8 @@ Example (``benchmarks/gpu_check.sh train`` runs the first)::
     python benchmarks/gpu_training.py --kernels --budget-s 180
     python benchmarks/gpu_training.py --models bert_base --plans fp32,bf16 --profile h200.csv
     python benchmarks/gpu_training.py --device cpu --tiny --out /tmp/train   # CI, < 1 min
+    python benchmarks/gpu_training.py --device cpu --kind H200-SXM-141GB --profile h200.csv \
+        --repredict benchmarks/results/gpu_training_h200.csv
 """
 
 import argparse
@@ -431,6 +437,34 @@ class Bench:
                 + (f", profile {self.args.profile}" if self.args.profile else ""))
 
 
+def repredict(bench: Bench, measured: pd.DataFrame) -> pd.DataFrame:
+    """``measured`` (a table this script wrote) with its plan rows predicted again by
+    ``bench``'s cost models, and a qsync row's plan made again (``low_precision_ops_now``)."""
+    table = measured.copy()
+    works = {(w.name, w.batch_size): w for tiny in (False, True) for w in workloads(tiny)}
+    for source in bench.costs:
+        table[f"pred_{source}_ms"] = float("nan")
+    table["pred_catalog_mib"] = table["low_precision_ops_now"] = float("nan")
+    for (model, batch), index in table.groupby(["model", "batch"], sort=False).groups.items():
+        study = None
+        for i in index:
+            name = table.at[i, "plan"]
+            if name not in PLANS:
+                continue
+            study = study or bench.study(works[(model, batch)])
+            plan = bench.plan(study, name)
+            table.at[i, "low_precision_ops_now"] = plan.low_precision_ops()[bench.spec.name]
+            for source, (ms, mib) in bench.predict(study, plan).items():
+                table.at[i, f"pred_{source}_ms"] = ms
+                table.at[i, "pred_catalog_mib"] = mib if source == "catalog" else \
+                    table.at[i, "pred_catalog_mib"]
+    for source in bench.costs:
+        table[f"err_{source}_pct"] = _error_pct(table[f"pred_{source}_ms"], table["step_ms"])
+    table["mem_err_pct"] = _error_pct(table["pred_catalog_mib"], table["mem_mib"])
+    table["low_precision_ops_now"] = table["low_precision_ops_now"].astype("Int64")
+    return table.round(3)
+
+
 def _text(table: pd.DataFrame) -> str:
     """The table as text, missing figures as ``-``."""
     return table.astype(object).where(table.notna(), "-").to_string(index=False)
@@ -467,6 +501,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every row this many times in turn (the median counts)")
     parser.add_argument("--profile", help="a measured profile CSV: a second prediction")
+    parser.add_argument("--repredict", metavar="TABLE",
+                        help="a gpu_training.csv measured earlier: predict its rows again")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     args = parser.parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 20)
@@ -483,6 +519,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
+    if args.repredict:
+        table = repredict(bench, pd.read_csv(args.repredict))
+        header = (f"# {args.repredict} predicted again by benchmarks/gpu_training.py as "
+                  f"catalog kind {bench.spec.name}; costs: catalog"
+                  + (f", profile {args.profile}" if args.profile else ""))
+        table.to_csv(bench.out / "gpu_training_repredicted.csv", index=False)
+        (bench.out / "gpu_training_repredicted.txt").write_text(f"{header}\n{_text(table)}\n")
+        print(f"{header}\n{_text(table)}")
+        return 0
     chosen = [w for w in workloads(args.tiny)
               if not args.models or w.name in args.models.split(",")]
     print(bench.header(), flush=True)

@@ -1,5 +1,6 @@
 """benchmarks/gpu_training.py on the CPU (``--tiny``): every (model, plan) row, sane numbers,
-failed rows that do not stop the others, and the card -> catalog kind mapping."""
+failed rows that do not stop the others, a measured table predicted again, and the card ->
+catalog kind mapping."""
 
 import importlib.util
 import math
@@ -24,18 +25,31 @@ def _benchmark():
     return module
 
 
-def _run(tmp_path: Path, *argv: str) -> pd.DataFrame:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny",
-                           "--out", str(tmp_path), *argv],
+def _script(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--out",
+                           str(tmp_path), *argv],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "wrote" in done.stdout
+    return done
+
+
+def _run(tmp_path: Path, *argv: str) -> pd.DataFrame:
+    assert "wrote" in _script(tmp_path, "--tiny", *argv).stdout
     assert (tmp_path / "gpu_training.txt").read_text().startswith("# benchmarks/gpu_training.py")
     return pd.read_csv(tmp_path / "gpu_training.csv")
 
 
-def test_tiny_cpu_run_has_every_row_with_sane_numbers(tmp_path):
-    table = _run(tmp_path, "--kernels", "--profile", str(ROOT / "data/profiles/cpu.csv"))
+CPU_PROFILE = str(ROOT / "data/profiles/cpu.csv")
+
+
+@pytest.fixture(scope="module")
+def tiny_table(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    return out, _run(out, "--kernels", "--profile", CPU_PROFILE)
+
+
+def test_tiny_cpu_run_has_every_row_with_sane_numbers(tiny_table):
+    table = tiny_table[1]
     assert sorted(zip(table["model"], table["plan"])) == sorted(
         (m, p) for m in MODELS for p in PLANS + TORCH)
     assert (table["status"] == "ok").all(), table[table["status"] != "ok"]
@@ -57,6 +71,24 @@ def test_tiny_cpu_run_has_every_row_with_sane_numbers(tmp_path):
     assert all(low[(m, "fp32")] == 0 and low[(m, "bf16")] > 0 and low[(m, "int8")] > 0
                for m in MODELS)
     assert table[table["plan"].str.startswith("torch:")]["pred_catalog_ms"].isna().all()
+
+
+def test_a_measured_table_predicted_again_by_the_same_code_gives_its_predictions(tiny_table):
+    out, table = tiny_table
+    _script(out, "--kind", "cpu", "--profile", CPU_PROFILE,
+            "--repredict", str(out / "gpu_training.csv"))
+    again = pd.read_csv(out / "gpu_training_repredicted.csv")
+    assert (out / "gpu_training_repredicted.txt").read_text().startswith(
+        f"# {out / 'gpu_training.csv'} predicted again")
+    assert list(again["plan"]) == list(table["plan"])
+    columns = ["step_ms", "pred_catalog_ms", "pred_profile_ms", "pred_catalog_mib",
+               "low_precision_ops"]
+    assert again[columns].equals(table[columns])  # measured figures kept, predictions alike
+    errors = again["err_profile_pct"].dropna()  # of unrounded predictions: 0.01 apart
+    assert errors.to_numpy() == pytest.approx(table["err_profile_pct"].dropna(), abs=0.01)
+    plans = again[~again["plan"].str.startswith("torch:")]
+    assert (plans["low_precision_ops_now"] == plans["low_precision_ops"]).all()
+    assert again[again["plan"].str.startswith("torch:")]["pred_profile_ms"].isna().all()
 
 
 def test_a_failing_plan_is_a_failed_row_and_the_others_run(tmp_path):
