@@ -5,10 +5,10 @@ decoder (6 blocks, width 768, 256 tokens, batch 16), in one process, each model 
 
 * the plans ``fp32``; ``tf32`` (every plannable GEMM op: linear, conv, matmul); ``bf16``,
   ``fp16`` (what ``torch.autocast`` runs in 16 bits: the GEMMs and batch norms; layer
-  norms stay fp32, as autocast keeps them); ``int8``, ``fp8_e4m3`` (linear ops); and ``qsync``, the allocator's plan
-  (:class:`qsync_lab.Study`, costed by ``--profile`` when given, else by the catalog) for
-  an iteration halfway between the predicted fp32 and bf16 ones (fp16 on a device without
-  bf16). Each is applied as ``qsync-lab run`` applies it
+  norms stay fp32, as autocast keeps them); ``int8``, ``fp8_e4m3`` (linear ops); and
+  ``qsync``, the allocator's plan (:class:`qsync_lab.Study`, costed by ``--profile`` when
+  given, else by the catalog) for an iteration halfway between the predicted fp32 and bf16
+  ones (fp16 on a device without bf16). Each is applied as ``qsync-lab run`` applies it
   (the runtime trainer's path: the model built on the CPU,
   :func:`~qsync_lab.quant.apply_resolved_plan_`, moved to the device, DDP with world size 1
   on NCCL, gloo on the CPU, its optimizer, its step: the loss in fp32, a GradScaler where
