@@ -9,7 +9,10 @@ need, in order, and writes what it measured (:func:`~qsync_lab.costs.write_devic
 2. ``casts`` (optional): the runtime's precision conversions and DDP's in-place copies;
 3. ``step overhead``: the framework's cost of a training step: for one model with a
    ``step_optimizer``, that model's own (its whole training step timed beside the op rows,
-   :func:`~qsync_lab.profile.overhead.measured_step_overhead_metadata`), else fitted on
+   :func:`~qsync_lab.profile.overhead.measured_step_overhead_metadata`; on a GPU its
+   steps under a uniform plan of each precision, on one DDP rank over NCCL, calibrate the
+   step and per-precision op overheads,
+   :func:`~qsync_lab.profile.overhead.ddp_calibrated_metadata`), else fitted on
    calibration MLPs;
 4. ``links`` (optional): gloo allreduces fitted α–β, refitted to what real DDP steps add
    (``"ddp"``), and DDP's buffer broadcast;
@@ -44,6 +47,7 @@ device="cuda")``.
 
 import functools
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +73,9 @@ from qsync_lab.profile.ddp_link import (copy_pass_us, fit_buffer_broadcast,
                                        measure_ddp_overhead)
 from qsync_lab.profile.device import profile_device, profile_device_name
 from qsync_lab.profile.ops import profile_ops
-from qsync_lab.profile.overhead import (fit_step_overhead, measured_step_overhead_metadata,
-                                        step_overhead_metadata, time_training_step)
+from qsync_lab.profile.overhead import (ddp_calibrated_metadata, fit_step_overhead,
+                                        measured_step_overhead_metadata, step_overhead_metadata,
+                                        time_ddp_training_steps, time_training_step)
 from qsync_lab.profile.timing import intra_op_threads, run_metadata
 
 __all__ = ["LINK_METHODS", "SINGLE_GPU_NOTE", "ProfileJob", "ProfileWritten", "profile_machine"]
@@ -161,7 +166,10 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
             bar.set_postfix_str(f"ops of {job.name}")
             rows = measure(job.model, job.inputs, job.target, job.loss_fn, names,
                            repeats=repeats, method=method)
-            if own_step and processes == 1:
+            if own_step and device.type == "cuda":
+                rows.attrs.update(ddp_step_us=_uniform_steps_us(job, own_step, names, repeats,
+                                                                device), ddp_processes=1)
+            elif own_step and processes == 1:
                 rows.attrs["training_step_us"] = time_training_step(
                     job.model, job.inputs, job.target, job.loss_fn, own_step, repeats=repeats,
                     device=device)
@@ -176,11 +184,18 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
                              for pair, fit in fit_casts(cast_rows).items()})
             bar.update()
         bar.set_postfix_str("step overhead")
-        metadata.update(measured_step_overhead_metadata(frames, jobs[0].model, own_step,
-                                                        device_name)
-                        if own_step else
-                        step_overhead_metadata(fit_step_overhead(repeats=repeats,
-                                                                 method=method, device=device)))
+        if own_step and device.type == "cuda":
+            from qsync_lab.graph import trace_graph
+
+            job = jobs[0]
+            graph = trace_graph(job.model, job.inputs, target=job.target, loss_fn=job.loss_fn)
+            metadata.update(ddp_calibrated_metadata(frames, graph, own_step))
+        elif own_step:
+            metadata.update(measured_step_overhead_metadata(frames, jobs[0].model, own_step,
+                                                            device_name))
+        else:
+            metadata.update(step_overhead_metadata(fit_step_overhead(
+                repeats=repeats, method=method, device=device)))
         bar.update()
     link_text = SINGLE_GPU_NOTE if skipped else ""
     if links:
@@ -203,6 +218,16 @@ def profile_machine(jobs: Sequence[ProfileJob], out: "str | os.PathLike[str]", *
     bar.close()
     write_device_profile(out, [*frames, cast_rows, compress_rows], metadata)
     return ProfileWritten(Path(out), sum(len(f) for f in frames), len(cast_rows), link_text)
+
+
+def _uniform_steps_us(job: ProfileJob, optimizer: str, precisions: list[str], repeats: int,
+                      device) -> dict[str, float]:
+    """``job``'s training step under a uniform plan of each of ``precisions`` on ``device``,
+    under DDP on one rank (NCCL on a GPU): precision name -> median µs."""
+    with tempfile.TemporaryDirectory(prefix="qsync_steps_") as folder:
+        return time_ddp_training_steps(job.model, job.inputs, job.target, job.loss_fn,
+                                       optimizer, precisions, store=str(Path(folder) / "store"),
+                                       rank=0, world_size=1, repeats=repeats, device=device)
 
 
 def _casts(precisions: list[str], repeats: int, device) -> pd.DataFrame:

@@ -28,7 +28,11 @@ overheads are calibrated so that the simulator predicts those steps
 (:func:`ddp_calibrated_metadata`): the fp32 step sets ``step_overhead_us`` (DDP, the
 framework, ranks waiting for each other), and each low precision's step sets
 ``op_overhead_us.<precision>``, the cost per op computed in it that its rows miss. A plan
-that mixes precisions is predicted between those calibrated ends.
+that mixes precisions is predicted between those calibrated ends. A GPU's profile of one
+model is calibrated so too, from the model's uniform steps under DDP on one NCCL rank
+(:func:`~qsync_lab.profile.profile_machine`): there the op rows' host times miss the
+framework's work around them (DDP's hooks and copies, the optimizer, the gradient check,
+the autograd engine), which sets the pace of a host-bound step.
 
 Example::
 
@@ -172,29 +176,37 @@ def time_training_step(model: nn.Module, example_inputs, target: torch.Tensor,
 def time_ddp_training_steps(model: nn.Module, example_inputs, target: torch.Tensor,
                             loss_fn: nn.Module, optimizer: str, precisions: Sequence[str], *,
                             store: str, rank: int, world_size: int, repeats: int = 10,
-                            warmup: int = 3) -> dict[str, float]:
+                            warmup: int = 3, device: "torch.device | str" = "cpu"
+                            ) -> dict[str, float]:
     """:func:`time_training_step` under DDP, on a copy of ``model`` with a uniform plan of
-    each of ``precisions`` (:func:`uniform_op_precisions`): precision name -> median µs.
-    This process is ``rank`` of ``world_size`` that meet in a gloo group through the file
-    ``store`` (a path none has used) and call this at once; the group is left after."""
+    each of ``precisions`` (:func:`uniform_op_precisions`) on ``device``: precision name ->
+    median µs. This process is ``rank`` of ``world_size`` that meet in a group (gloo; NCCL
+    on a GPU, as the ranks run) through the file ``store`` (a path none has used) and call
+    this at once; the group is left after. TF32 is on in a tf32 plan's steps only, as on
+    its ranks."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from qsync_lab.graph import trace_graph
-    from qsync_lab.graph.opgraph import _loss_root
     from qsync_lab.quant import apply_plan_
+    from qsync_lab.quant.native import tf32_math
 
+    device = torch.device(device)
+    cuda = device.type == "cuda"
     ops = trace_graph(model, example_inputs, target=target, loss_fn=loss_fn).ops
-    dist.init_process_group("gloo", init_method=Path(store).resolve().as_uri(), rank=rank,
-                            world_size=world_size)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=Path(store).resolve().as_uri(),
+                            rank=rank, world_size=world_size)
     try:
         steps = {}
         for precision in precisions:
             copied = copy.deepcopy(model)
             apply_plan_(copied, uniform_op_precisions(ops, precision))
-            root, inputs = _loss_root(copied, loss_fn, example_inputs)
-            steps[str(precision)] = _median_step_us(DistributedDataParallel(root), inputs,
-                                                    target, optimizer, repeats, warmup)
+            root, inputs, target_on = loss_root_on(copied, loss_fn, example_inputs, target, device)
+            ddp = DistributedDataParallel(root, device_ids=[device] if cuda else None)
+            with tf32_math(Precision.parse(precision) is Precision.TF32):
+                steps[str(precision)] = _median_step_us(ddp, inputs, target_on, optimizer,
+                                                        repeats, warmup, device)
+            del copied, root, ddp
         return steps
     finally:
         dist.destroy_process_group()
@@ -279,7 +291,7 @@ def ddp_calibrated_metadata(frames, graph, optimizer: str) -> dict[str, str]:
     """The step overheads of a model's own profile ``frames`` (one per batch size, each with
     ``attrs["ddp_step_us"]``, precision name -> measured DDP step under a uniform plan, and
     ``attrs["ddp_processes"]``), means over them. Each frame's steps are simulated on as
-    many local cpu ranks (loopback link), costed with its rows and the shipped profile's
+    many local ranks of its rows' device, costed with its rows and the shipped profile's
     fits: ``step_overhead_us`` is the fp32 step minus its simulation without one;
     ``op_overhead_us.<p>`` the uniform-p step minus its simulation (with that step
     overhead), per forward event the simulation computes in p from a measured row."""
@@ -305,16 +317,18 @@ def _calibrate(frame: pd.DataFrame, graph, optimizer: str) -> dict[str, float]:
     from qsync_lab.plan import Plan
 
     steps_us = frame.attrs["ddp_step_us"]
+    device = str(frame["device"].iloc[0])
     cluster = cluster_from_definition({
         "name": "profiling-processes", "batch_size": int(frame["batch_size"].iloc[0]),
-        "node": [{"name": "localhost", "intra_node_link": "loopback",
-                  "devices": [{"kind": "cpu", "count": int(frame.attrs["ddp_processes"])}]}]})
+        "node": [{"name": "localhost",
+                  "intra_node_link": "loopback" if device == "cpu" else "nvlink4",
+                  "devices": [{"kind": device, "count": int(frame.attrs["ddp_processes"])}]}]})
     fp32 = _simulate(frame, graph, Plan.build(graph, cluster, {}), optimizer, 0.0)
     calibrated = {STEP_OVERHEAD_KEY: steps_us["fp32"] - fp32.iteration_us}
     for name, step_us in steps_us.items():
         if name == "fp32":
             continue
-        plan = Plan.build(graph, cluster, {"cpu": uniform_op_precisions(graph.ops, name)})
+        plan = Plan.build(graph, cluster, {device: uniform_op_precisions(graph.ops, name)})
         sim = _simulate(frame, graph, plan, optimizer, calibrated[STEP_OVERHEAD_KEY])
         compute = sim.compute[0]
         events = sum(category == "op" and phase == "forward" and precision == name
@@ -326,15 +340,16 @@ def _calibrate(frame: pd.DataFrame, graph, optimizer: str) -> dict[str, float]:
 
 
 def _simulate(frame: pd.DataFrame, graph, plan, optimizer: str, step_overhead_us: float):
-    """The simulated step of ``plan`` costed with ``frame``'s rows (cpu), the shipped
-    profile's fits and ``step_overhead_us``."""
+    """The simulated step of ``plan`` costed with ``frame``'s rows (on their device), the
+    shipped profile's fits and ``step_overhead_us``."""
     from qsync_lab.costs import load_cost_model, write_profile
     from qsync_lab.resources import data_file
     from qsync_lab.simulate import simulate
 
     with tempfile.TemporaryDirectory(prefix="qsync_calibrate_") as folder:
         rows = Path(folder) / "rows.csv"
-        write_profile(rows, frame, {"device": "cpu", STEP_OVERHEAD_KEY: str(step_overhead_us),
+        write_profile(rows, frame, {"device": str(frame["device"].iloc[0]),
+                                    STEP_OVERHEAD_KEY: str(step_overhead_us),
                                     EVENT_OVERHEAD_KEY: "0"})
         costs = load_cost_model(rows, data_file("profiles", "cpu.csv"))
     return simulate(graph, plan, plan.cluster, costs, optimizer=optimizer)

@@ -130,6 +130,41 @@ def test_calibrated_overheads_make_the_simulator_predict_the_measured_ddp_steps(
     assert measured["fp32"] < half.iteration_us < measured["bf16"]  # a mix lies between
 
 
+def test_a_gpu_profile_is_calibrated_to_its_models_steps_on_one_rank(tmp_path):
+    """A GPU's rows carry host times, and a host-bound step that they under-count (the
+    framework's work around the ops) is predicted once calibrated to the measured steps."""
+    from qsync_lab.cluster import cluster_from_definition
+    from qsync_lab.costs import load_cost_model
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.plan import Plan
+    from qsync_lab.profile import profile_ops
+    from qsync_lab.profile.overhead import ddp_calibrated_metadata
+    from qsync_lab.simulate import simulate
+
+    h100 = "H100-SXM5-80GB"
+    model, (inputs, target), loss_fn = _mlp(), _batch(), nn.CrossEntropyLoss()
+    graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+    rows = profile_ops(model, inputs, target, loss_fn, ["fp32", "bf16"], repeats=2, warmup=0,
+                       progress=False)
+    rows = rows.assign(device=h100, host_us=3 * rows["time_us"] + 40.0)  # host-bound ops
+    write_profile(tmp_path / "rows.csv", rows, {"device": h100})
+    cluster = cluster_from_definition({"name": "one", "batch_size": 4, "node": [
+        {"name": "n", "intra_node_link": "nvlink4", "devices": [{"kind": h100, "count": 1}]}]})
+    plans = {name: Plan.build(graph, cluster, {h100: plan})
+             for name, plan in {"fp32": {}, "bf16": {"0": "bf16", "2": "bf16"}}.items()}
+    rows_only = {name: simulate(graph, plan, cluster, load_cost_model(tmp_path / "rows.csv"),
+                                optimizer="sgd").iteration_us for name, plan in plans.items()}
+    measured = {"fp32": 2 * rows_only["fp32"], "bf16": 3 * rows_only["fp32"]}
+    rows.attrs.update(ddp_step_us=measured, ddp_processes=1)
+    metadata = ddp_calibrated_metadata([rows], graph, "sgd")
+    assert "on 1 processes - its simulation" in metadata["step_overhead_us"]
+    write_profile(tmp_path / "gpu.csv", rows, {"device": h100, **metadata})
+    costs = load_cost_model(tmp_path / "gpu.csv", data_file("profiles", "cpu.csv"))
+    for name, plan in plans.items():
+        sim = simulate(graph, plan, cluster, costs, optimizer="sgd")
+        assert sim.iteration_us == pytest.approx(measured[name], rel=1e-6), name
+
+
 def test_each_low_precision_op_costs_the_profiles_op_overhead(tmp_path):
     from qsync_lab.allocate.baselines import with_batch_sizes
     from qsync_lab.cluster import load_cluster
