@@ -80,8 +80,20 @@ def profile_command(args) -> None:
                               threads=args.threads, repeats=args.repeats,
                               processes=args.processes, method=args.method,
                               links=None if args.links == "none" else args.links,
-                              compression=compression, device=args.device)
+                              compression=compression, device=args.device,
+                              step_optimizer=args.optimizer if _calibrates(args, jobs) else None)
     print(written)
+
+
+def _calibrates(args, jobs) -> bool:
+    """Whether ``qsync-lab profile`` calibrates the step to the model's own: one model on a
+    GPU of a catalog kind (on the CPU, runs calibrate their own profiles)."""
+    if args.device != "cuda" or len(jobs) != 1:
+        return False
+    from qsync_lab.devices import load_catalog
+    from qsync_lab.profile.device import profile_device, profile_device_name
+
+    return profile_device_name(profile_device("cuda")) in load_catalog().devices
 
 
 def plan_command(args) -> None:

@@ -101,6 +101,10 @@ def _add_profile_parser(sub) -> None:
                          help="where the ops run: this CPU (default), or this machine's GPU, "
                          "timed with CUDA events, its rows named after its catalog kind "
                          "(links are then not profiled; compressors with --compress are, on the GPU)")
+    profile.add_argument("--optimizer", default="sgd_momentum", choices=list(OPTIMIZER_STATES),
+                         help="with --device cuda and one --model: the optimizer of the model's "
+                         "own steps, timed under a uniform plan of each precision to calibrate "
+                         "what its rows miss (default sgd_momentum)")
     profile.add_argument("--out", required=True, help="profile CSV to write")
     profile.set_defaults(run=commands.profile_command)
 
