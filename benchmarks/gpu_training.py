@@ -20,9 +20,10 @@ A row gives the median step (CUDA events; warm-up steps left out; with ``--round
 every row measured that many times in turn and the median of the rounds kept, their range
 as ``spread_pct``: a launch-bound step moves with the host's pace), the simulator's
 prediction for a 1-rank cluster of the card's catalog kind (from the catalog, and from
-``--profile`` when given), the error, the ratio to the matching torch row (``vs``: fp32 ->
-eager fp32, tf32 -> TF32, fp16 -> autocast fp16, the others -> autocast bf16; below 1 is
-faster than torch), CUDA kernels per step (``--kernels``: torch.profiler over one more
+``--profile`` when given: ``MODEL=CSV`` for one model's, such as ``qsync-lab profile
+--device cuda --model MODEL`` writes calibrated to that model's own steps), the error,
+the ratio to the matching torch row (``vs``: fp32 -> eager fp32, tf32 -> TF32, fp16 ->
+autocast fp16, the others -> autocast bf16; below 1 is faster than torch), CUDA kernels per step (``--kernels``: torch.profiler over one more
 step; on the CPU, aten op calls), and peak tensor memory (model build and the first two
 steps, as the trainer measures it) against the prediction. A row that raises is printed
 as failed with the exception's last line; the others still run. Rows left when
@@ -45,6 +46,7 @@ Example (``benchmarks/gpu_check.sh train`` runs the first)::
 
     python benchmarks/gpu_training.py --kernels --budget-s 180
     python benchmarks/gpu_training.py --models bert_base --plans fp32,bf16 --profile h200.csv
+    python benchmarks/gpu_training.py --profile bert_base=bert.csv --profile resnet50=rn50.csv
     python benchmarks/gpu_training.py --device cpu --tiny --out /tmp/train   # CI, < 1 min
     python benchmarks/gpu_training.py --device cpu --kind H200-SXM-141GB --profile h200.csv \
         --repredict benchmarks/results/gpu_training_h200.csv
@@ -187,9 +189,8 @@ class Bench:
             torch.cuda.set_device(self.device)
         else:
             self.spec, self.card = load_catalog().device(args.kind or "cpu"), "cpu"
-        self.costs = {"catalog": CostModel()}
-        if args.profile:
-            self.costs["profile"] = load_cost_model(args.profile)
+        self.sources = ("catalog", "profile") if args.profile else ("catalog",)
+        self._costs = {None: CostModel()}  # profile path -> its cost model (None: catalog)
         self.rows: list[dict] = []
         self.deadline = time.monotonic() + args.budget_s
         self.out = Path(args.out)
@@ -317,7 +318,7 @@ class Bench:
         return Study(work.build(), work.batch(TRACE_BATCH),
                      cluster=one_rank_cluster(self.spec, work.batch_size),
                      loss_fn=work.loss_fn(), calibration_batches=1, optimizer=OPTIMIZER,
-                     profiles=[self.args.profile] if self.args.profile else [], progress=False)
+                     profiles=[p for p in [self.profile_for(work.name)] if p], progress=False)
 
     def plan(self, study: Study, name: str) -> Plan:
         if PLANS[name] is None:
@@ -341,11 +342,22 @@ class Bench:
         target_s = (fp32 + fast) / 2 / 1e6
         return study.plan(throughput_target=study.cluster.global_batch_size / target_s)
 
-    def predict(self, study: Study, plan: Plan) -> dict[str, tuple[float, float]]:
-        """Cost model name -> (predicted step ms, predicted peak MiB)."""
+    def profile_for(self, model: str) -> str | None:
+        """The ``--profile`` CSV that costs ``model``: its own (``MODEL=CSV``), else one
+        given for every model, else None."""
+        return self.args.profile.get(model, self.args.profile.get(None))
+
+    def predict(self, study: Study, plan: Plan, model: str) -> dict[str, tuple[float, float]]:
+        """Cost model name (catalog, profile: ``model``'s) -> (predicted step ms, predicted
+        peak MiB)."""
         predicted = {}
-        for name, costs in self.costs.items():
-            sim = simulate(study.prepared, plan, study.cluster, costs, optimizer=OPTIMIZER)
+        for name, path in {"catalog": None, "profile": self.profile_for(model)}.items():
+            if name == "profile" and path is None:
+                continue
+            if path not in self._costs:
+                self._costs[path] = load_cost_model(path)
+            sim = simulate(study.prepared, plan, study.cluster, self._costs[path],
+                           optimizer=OPTIMIZER)
             predicted[name] = (sim.iteration_us / 1e3, float(sim.tensor_peak_bytes.max()) / MIB)
         return predicted
 
@@ -380,7 +392,8 @@ class Bench:
                             plans[name] = self.plan(study, name)
                             row["low_precision_ops"] = \
                                 plans[name].low_precision_ops()[self.spec.name]
-                            for source, (ms, mib) in self.predict(study, plans[name]).items():
+                            for source, (ms, mib) in self.predict(study, plans[name],
+                                                                  work.name).items():
                                 row[f"pred_{source}_ms"], row[f"pred_{source}_mib"] = ms, mib
                         runner = self.plan_runner(work, study, plans[name])
                     measured = self.measure(runner, kernels=round_ == 0 and self.args.kernels)
@@ -433,8 +446,7 @@ class Bench:
         return (f"# benchmarks/gpu_training.py on {self.card} as catalog kind {self.spec.name}; "
                 f"torch {torch.__version__}; up to {self.args.warmup} warm-up and "
                 f"{self.args.steps} timed steps a row (fewer past {self.args.row_s} s); "
-                f"optimizer {OPTIMIZER}; costs: catalog"
-                + (f", profile {self.args.profile}" if self.args.profile else ""))
+                f"optimizer {OPTIMIZER}; costs: catalog{profiles_text(self.args.profile)}")
 
 
 def repredict(bench: Bench, measured: pd.DataFrame) -> pd.DataFrame:
@@ -442,7 +454,7 @@ def repredict(bench: Bench, measured: pd.DataFrame) -> pd.DataFrame:
     ``bench``'s cost models, and a qsync row's plan made again (``low_precision_ops_now``)."""
     table = measured.copy()
     works = {(w.name, w.batch_size): w for tiny in (False, True) for w in workloads(tiny)}
-    for source in bench.costs:
+    for source in bench.sources:
         table[f"pred_{source}_ms"] = float("nan")
     table["pred_catalog_mib"] = table["low_precision_ops_now"] = float("nan")
     for (model, batch), index in table.groupby(["model", "batch"], sort=False).groups.items():
@@ -454,15 +466,21 @@ def repredict(bench: Bench, measured: pd.DataFrame) -> pd.DataFrame:
             study = study or bench.study(works[(model, batch)])
             plan = bench.plan(study, name)
             table.at[i, "low_precision_ops_now"] = plan.low_precision_ops()[bench.spec.name]
-            for source, (ms, mib) in bench.predict(study, plan).items():
+            for source, (ms, mib) in bench.predict(study, plan, model).items():
                 table.at[i, f"pred_{source}_ms"] = ms
                 table.at[i, "pred_catalog_mib"] = mib if source == "catalog" else \
                     table.at[i, "pred_catalog_mib"]
-    for source in bench.costs:
+    for source in bench.sources:
         table[f"err_{source}_pct"] = _error_pct(table[f"pred_{source}_ms"], table["step_ms"])
     table["mem_err_pct"] = _error_pct(table["pred_catalog_mib"], table["mem_mib"])
     table["low_precision_ops_now"] = table["low_precision_ops_now"].astype("Int64")
     return table.round(3)
+
+
+def profiles_text(profiles: dict[str | None, str]) -> str:
+    """``, profile X`` (``, profile bert_base=X, ...``) of the ``--profile`` CSVs."""
+    return "".join(f", profile {p}" if m is None else f", profile {m}={p}"
+                   for m, p in profiles.items())
 
 
 def _text(table: pd.DataFrame) -> str:
@@ -500,13 +518,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernels", action="store_true", help="count kernels per step")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every row this many times in turn (the median counts)")
-    parser.add_argument("--profile", help="a measured profile CSV: a second prediction")
+    parser.add_argument("--profile", action="append", default=[], metavar="[MODEL=]CSV",
+                        help="a measured profile CSV: a second prediction, of MODEL's rows "
+                        "only when named (repeatable: a GPU profile of one model is "
+                        "calibrated to that model's steps)")
     parser.add_argument("--repredict", metavar="TABLE",
                         help="a gpu_training.csv measured earlier: predict its rows again")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     args = parser.parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 20)
     args.warmup = max(args.warmup or (2 if args.tiny else 10), MEMORY_STEPS)
+    args.profile = dict(_profile_arg(text) for text in args.profile)
     args.plans = [p for p in args.plans.split(",") if p]
     args.torch_runs = [r for r in args.torch_runs.split(",") if r]
     unknown = set(args.plans) - set(PLANS) | set(args.torch_runs) - set(TORCH_RUNS)
@@ -516,6 +538,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _profile_arg(text: str) -> tuple[str | None, str]:
+    """``MODEL=CSV`` -> (MODEL, CSV); ``CSV`` -> (None, CSV)."""
+    model, sep, path = text.partition("=")
+    return (model, path) if sep and model.isidentifier() else (None, text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
@@ -523,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         table = repredict(bench, pd.read_csv(args.repredict))
         header = (f"# {args.repredict} predicted again by benchmarks/gpu_training.py as "
                   f"catalog kind {bench.spec.name}; costs: catalog"
-                  + (f", profile {args.profile}" if args.profile else ""))
+                  f"{profiles_text(args.profile)}")
         table.to_csv(bench.out / "gpu_training_repredicted.csv", index=False)
         (bench.out / "gpu_training_repredicted.txt").write_text(f"{header}\n{_text(table)}\n")
         print(f"{header}\n{_text(table)}")

@@ -91,6 +91,19 @@ def test_a_measured_table_predicted_again_by_the_same_code_gives_its_predictions
     assert again[again["plan"].str.startswith("torch:")]["pred_profile_ms"].isna().all()
 
 
+def test_a_profile_named_for_one_model_predicts_only_its_rows(tiny_table):
+    out, _ = tiny_table
+    args = _benchmark().parse_args(["--profile", "digits_cnn=a.csv", "--profile", "/x=y.csv"])
+    assert args.profile == {"digits_cnn": "a.csv", None: "/x=y.csv"}
+    _script(out, "--kind", "cpu", "--profile", f"digits_cnn={CPU_PROFILE}",
+            "--repredict", str(out / "gpu_training.csv"))
+    again = pd.read_csv(out / "gpu_training_repredicted.csv")
+    plans = again[~again["plan"].str.startswith("torch:")]
+    named = plans["model"] == "digits_cnn"
+    assert (plans.loc[named, "pred_profile_ms"] > 0).all()
+    assert plans.loc[~named, "pred_profile_ms"].isna().all() and (~named).any()
+
+
 def test_a_failing_plan_is_a_failed_row_and_the_others_run(tmp_path):
     # a T4 has no bf16: that plan is refused when it is built; fp32 and torch still run
     table = _run(tmp_path, "--kind", "T4", "--models", "digits_cnn", "--plans", "bf16,fp32",
