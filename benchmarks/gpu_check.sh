@@ -2,14 +2,16 @@
 # The GPU checks in one run, for a machine with CUDA, PyTorch, Numba and numba-cuda installed
 # (CI has no GPU; see README "On a GPU"). Logs and tables go to $OUT (default: ./gpu_out).
 #   [BUDGET_S=N] bash benchmarks/gpu_check.sh [step ...]
-#   default: quant profile train tests kernels buckets   (about 8 minutes)
-#   then, in a second call: user hybrid hooks compress buckets library overhead   (about 8
-#   minutes; as many as the device time left allows, in that order)
-# (on an H200: quant 37 s, train 132 s a round, user 59 s, a hybrid row 40 s)
+#   default: profile train   (about 7 minutes: BUDGET_S=465 and the device tool's timeout 480)
+#   then at once, while the machine is warm: quant user tests hooks overhead kernels buckets
+#   hybrid library compress   (as many as the device time left allows, in that order)
+# (on an H200: profile 139 s for both models in one process, train 231 s, quant 37 s, user
+#   69 s, tests 20 s, overhead 32 s, the hook's CPU == CUDA tests 97 s, a hybrid row 40 s)
 # quant: the quant GPU tests (native fp16/bf16/tf32/int8/fp8 operators, kernels and dtypes per
 #   op, launches of a bf16 BERT against torch.autocast)
-# profile: qsync-lab profile --device cuda of BERT-base and ResNet-50 at batch 32 in every
-#   precision ($OUT/gpu_profile.csv), which the train step predicts from as well
+# profile: qsync-lab profile --device cuda of BERT-base and of ResNet-50 at batch 32 in every
+#   precision, each calibrated to the model's own steps ($OUT/gpu_profile_<model>.csv), which
+#   the train, user and hybrid steps predict from as well
 # train: benchmarks/gpu_training.py, the training step of BERT-base, ResNet-50 and a GPT decoder
 #   under each plan (fp32 ... fp8, qsync) beside plain torch (eager, TF32, autocast), measured
 #   against the simulator's prediction; its table is $OUT/gpu_training.txt and .csv (two rounds of
@@ -43,7 +45,7 @@ LOGS=$WORK/logs
 mkdir -p "$OUT" "$WORK" "$LOGS"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
-STEPS=${*:-quant profile train tests kernels buckets}
+STEPS=${*:-profile train}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 pack_logs() {
@@ -124,6 +126,15 @@ if ! smoked=$($PY -c "$smoke" 2>&1) && [ -d /usr/local/cuda ]; then
 fi
 echo "$smoked" | tail -1
 
+profile_models() {  # one profile per model: each is calibrated to its own model's steps
+    local model
+    for model in bert_base resnet50; do
+        $PY -m qsync_lab profile --device cuda --model "$model" --batch 32 \
+            --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 --repeats 5 \
+            --out "$OUT/gpu_profile_$model.csv" || return
+    done
+}
+
 user_path() {  # plan and run BERT-base on one rank of this GPU's catalog kind
     local kind
     kind=$($PY -c "from qsync_lab.profile.device import profile_device_name as n; print(n('cuda'))")
@@ -134,23 +145,26 @@ user_path() {  # plan and run BERT-base on one rank of this GPU's catalog kind
     $PY -m qsync_lab run --plan "$WORK/plan.json" --steps 30 --checkpoint-every 0 \
         --run-dir "$WORK/user_run" ${GPU_PROFILE:+--profile "$GPU_PROFILE"}
 }
-export -f user_path
-export PY WORK
+export -f profile_models user_path
+export PY WORK OUT
 
 # no nbval or doctests there; the image's own warnings (numba-cuda's occupancy hints) are
 # reported, not turned into errors
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts=-ra -W default --gpu)
 for name in $STEPS; do
-    [ -s "$OUT/gpu_profile.csv" ] && GPU_PROFILE="$OUT/gpu_profile.csv"
+    [ -s "$OUT/gpu_profile_bert_base.csv" ] && GPU_PROFILE="$OUT/gpu_profile_bert_base.csv"
+    TRAIN_PROFILES=()  # each model's own profile
+    for model in bert_base resnet50; do
+        [ -s "$OUT/gpu_profile_$model.csv" ] &&
+            TRAIN_PROFILES+=(--profile "$model=$OUT/gpu_profile_$model.csv")
+    done
     [ -s "$OUT/gpu_compress.csv" ] && COMPRESS_PROFILE="$OUT/gpu_compress.csv"
     case $name in
         quant) step quant 60 "${PYTEST[@]}" -m gpu tests/quant ;;
-        profile) step profile 150 $PY -m qsync_lab profile --device cuda --model bert_base \
-                     --model resnet50 --batch 32 --precisions fp32,tf32,bf16,fp16,int8,fp8_e4m3 \
-                     --repeats 5 --out "$OUT/gpu_profile.csv" ;;
+        profile) step profile 200 bash -c profile_models ;;
         train) step train 260 $PY benchmarks/gpu_training.py --kernels --rounds 2 --row-s 3 \
                    --budget-s 220 \
-                   --out "$OUT" ${GPU_PROFILE:+--profile "$GPU_PROFILE"} ;;
+                   --out "$OUT" ${TRAIN_PROFILES[@]+"${TRAIN_PROFILES[@]}"} ;;
         tests) step tests 40 "${PYTEST[@]}" tests/kernels/test_cuda_kernels.py ;;
         kernels) step kernels 80 $PY benchmarks/kernels.py --devices cuda --repeats 20 ;;
         buckets) step buckets 40 $PY benchmarks/compression.py --device cuda --worlds 1 \
