@@ -146,6 +146,29 @@ def test_a_span_that_waits_for_its_hold_does_not_grow_the_next_hold(fake_cuda, m
     assert max(holds) == min(holds)  # no growth from step to step
 
 
+def test_the_host_waits_for_the_device_between_spans_never_inside_one(fake_cuda,
+                                                                       monkeypatch):
+    """The holds put the device behind the host; a full launch queue would make a span's
+    host time wait for the device. So every DRAIN_SPANS spans the host synchronises, with
+    no span open: between a span's two events there is never a synchronise."""
+    monkeypatch.setattr(in_step, "timer_for", lambda device: CudaEventTimer("cuda"))
+    monkeypatch.setattr(in_step, "hold_stream", lambda device, us: None)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])
+    steps, warmup = 2, 1
+    in_step.time_ops_in_steps(model, (torch.randn(4, 8),), torch.randn(4, 8), nn.MSELoss(),
+                              "fp32", steps=steps, warmup=warmup)
+    per_step = [part for part in re.split(r"(?: elapsed)+ ?", " ".join(fake_cuda)) if part]
+    assert len(per_step) == steps + warmup
+    for step in per_step:
+        spans = step.count("record") // 2
+        assert spans > 3 * in_step.DRAIN_SPANS
+        between = step.split(" synchronize")[:-1]  # the last one ends the step
+        assert len(between) - 1 == (spans - 1) // in_step.DRAIN_SPANS
+        records = [part.count("record") for part in between]
+        assert all(n % 2 == 0 for n in records)  # each falls between two spans
+        assert max(records) == 2 * in_step.DRAIN_SPANS
+
+
 def test_gpu_names_map_to_catalog_kinds():
     catalog = load_catalog()
     h100 = dict(memory_bytes=85_520_809_984, compute_capability=(9, 0))
