@@ -328,7 +328,10 @@ def _calibrate(frame: pd.DataFrame, graph, optimizer: str) -> dict[str, float]:
     for name, step_us in steps_us.items():
         if name == "fp32":
             continue
-        plan = Plan.build(graph, cluster, {device: uniform_op_precisions(graph.ops, name)})
+        try:
+            plan = Plan.build(graph, cluster, {device: uniform_op_precisions(graph.ops, name)})
+        except QSyncError:  # a precision this device kind's plans may not take
+            continue
         sim = _simulate(frame, graph, plan, optimizer, calibrated[STEP_OVERHEAD_KEY])
         compute = sim.compute[0]
         events = sum(category == "op" and phase == "forward" and precision == name

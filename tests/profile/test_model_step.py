@@ -165,6 +165,20 @@ def test_a_gpu_profile_is_calibrated_to_its_models_steps_on_one_rank(tmp_path):
         assert sim.iteration_us == pytest.approx(measured[name], rel=1e-6), name
 
 
+def test_a_precision_the_device_kind_cannot_plan_is_left_uncalibrated():
+    from qsync_lab.graph import trace_graph
+    from qsync_lab.profile import profile_ops
+    from qsync_lab.profile.overhead import ddp_calibrated_metadata
+
+    model, (inputs, target), loss_fn = _mlp(), _batch(), nn.CrossEntropyLoss()
+    graph = trace_graph(model, inputs, target=target, loss_fn=loss_fn)
+    rows = profile_ops(model, inputs, target, loss_fn, ["fp32", "fp16", "fp8_e5m2"], repeats=2,
+                       warmup=0, progress=False).assign(device="H100-SXM5-80GB")
+    rows.attrs.update(ddp_step_us={"fp32": 9e3, "fp16": 8e3, "fp8_e5m2": 7e3}, ddp_processes=1)
+    metadata = ddp_calibrated_metadata([rows], graph, "sgd")  # Hopper: no e5m2 forward plans
+    assert "op_overhead_us.fp16" in metadata and "op_overhead_us.fp8_e5m2" not in metadata
+
+
 def test_each_low_precision_op_costs_the_profiles_op_overhead(tmp_path):
     from qsync_lab.allocate.baselines import with_batch_sizes
     from qsync_lab.cluster import load_cluster
