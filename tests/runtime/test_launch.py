@@ -4,6 +4,7 @@ starts, each refusal naming the way out."""
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -351,17 +352,22 @@ def test_emulate_passes_the_checks_and_reaches_the_ranks(gpu_plan, monkeypatch):
     assert "--emulate" in runtime_argv(config)
 
 
-def test_the_refusals_come_in_a_fresh_process_well_under_2_s(paper_plan, tmp_path):
-    """Before torch is imported: the 32-rank plan on 512 samples refused for this machine's
-    cores (2 here), else its devices (no CUDA), else the data, whatever the machine."""
-    begin = time.perf_counter()
+def test_the_refusals_come_in_a_fresh_process_before_torch_is_imported(paper_plan, tmp_path):
+    """The 32-rank plan on 512 samples refused for this machine's cores (2 here), else its
+    devices (no CUDA), else the data, whatever the machine, by a process in which torch
+    cannot be imported (a stand-in that raises is first on its path)."""
+    if machine._NVIDIA_DRIVER.exists():
+        pytest.skip("with an NVIDIA driver, asking for CUDA imports torch")
+    shim = tmp_path / "no_torch"
+    shim.mkdir()
+    (shim / "torch.py").write_text("raise ImportError('torch was imported')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(shim), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, "-m", "qsync_lab", "run", "--plan", str(paper_plan),
                            "--run-dir", str(tmp_path / "run"), "--data", "synthetic"],
-                          capture_output=True, text=True, timeout=60)
-    seconds = time.perf_counter() - begin
-    assert done.returncode == 2 and done.stderr.count("\n") == 1
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert any(why in done.stderr for why in ("cores", "no CUDA", "512 samples")), done.stderr
-    assert seconds < 2.0, seconds
     assert not (tmp_path / "run").exists()
 
 
