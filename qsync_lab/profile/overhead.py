@@ -193,6 +193,8 @@ def time_ddp_training_steps(model: nn.Module, example_inputs, target: torch.Tens
 
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if cuda and device.index is None:  # DDP's device_ids and NCCL name one GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     ops = trace_graph(model, example_inputs, target=target, loss_fn=loss_fn).ops
     dist.init_process_group("nccl" if cuda else "gloo", init_method=Path(store).resolve().as_uri(),
                             rank=rank, world_size=world_size)
