@@ -300,27 +300,50 @@ class _NativeFloat(torch.autograd.Function):
         return (*_float_grads(ctx, ctx.kernel, grad_out, a, b, ctx.backward), None, None, None)
 
 
-def _scale(x: torch.Tensor, fmax: float, dim: int | None = None) -> torch.Tensor:
-    """``amax / fmax`` on x's device, per tensor or per row (a tiny floor where the amax is
-    0: the codes are then 0, as the values are), in fp32."""
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=dim is not None,
-                                    dtype=torch.float32)
+def _scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``amax / fmax`` of ``x`` per tensor, as :func:`_scales` computes it."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
     return amax.div_(fmax).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``round(x / scale)`` as int8 (half to even; within +-127, as the scale puts the
-    amax at 127), row-major (cuBLASLt's int8 and fp8 products take row-major operands and
-    transposes of them: a transposed view, such as GPT-2's ``Conv1D`` weight, is copied)."""
-    return _row_major(torch.div(x.float(), scale).round_().to(torch.int8))
+def _scales(x: torch.Tensor, weight: torch.Tensor, fmax: float,
+            per_row: bool = False) -> list[torch.Tensor]:
+    """``amax / fmax`` of ``x`` (per tensor) and of ``weight`` (per tensor, or per row with
+    ``per_row``) on their device, in fp32, a tiny floor where the amax is 0 (the codes are
+    then 0, as the values are). Three launches for both: one multi-tensor norm, one
+    division, one floor (a per-row weight takes its own norm)."""
+    if per_row:
+        amaxes = [torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None,
+                                           dtype=torch.float32)
+                  for t, dim in ((x, None), (weight, 1))]
+    else:
+        amaxes = list(torch._foreach_norm([x, weight], float("inf"), dtype=torch.float32))
+    torch._foreach_div_(amaxes, fmax)
+    torch._foreach_clamp_min_(amaxes, torch.finfo(torch.float32).tiny)
+    return amaxes
 
 
-def _fp8_values(x: torch.Tensor, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x / s`` in the fp8 format with its per-tensor scale ``s`` (the amax lands on the
-    format's largest finite value), row-major as :func:`_int8_codes`."""
-    dtype, fmax = _FP8[precision]
-    scale = _scale(x, fmax)
-    return _row_major(torch.div(x.float(), scale).to(dtype)), scale
+def _int8_codes(x: torch.Tensor, weight: torch.Tensor,
+                scales: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``round(t / scale)`` of ``x`` and ``weight`` as int8 (half to even, in fp32; within
+    +-127, as the scale puts the amax at 127; one rounding launch for both), row-major
+    (cuBLASLt's int8 and fp8 products take row-major operands and transposes of them: a
+    transposed view, such as GPT-2's ``Conv1D`` weight, is copied)."""
+    quotients = [torch.div(t.float(), scale) for t, scale in zip((x, weight), scales)]
+    torch._foreach_round_(quotients)
+    return [_row_major(q.to(torch.int8)) for q in quotients]
+
+
+def _fp8_values(x: torch.Tensor, scale: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """``x / scale`` in the fp8 format (the scale puts the amax on the format's largest
+    finite value), row-major as :func:`_int8_codes`."""
+    return _row_major(torch.div(x.float(), scale).to(_FP8[precision][0]))
+
+
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale`` computed in fp32 and written in ``dtype`` (one launch)."""
+    return torch.mul(codes, scale, out=torch.empty(codes.shape, dtype=dtype,
+                                                   device=codes.device))
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -348,9 +371,8 @@ class _NativeInt8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, per_row, backward):
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = _scale(x2, _INT8_MAX)
-        w_scale = _scale(weight, _INT8_MAX, 1 if per_row else None)
-        x_codes, w_codes = _int8_codes(x2, x_scale), _int8_codes(weight, w_scale)
+        x_scale, w_scale = _scales(x2, weight, _INT8_MAX, per_row)
+        x_codes, w_codes = _int8_codes(x2, weight, [x_scale, w_scale])
         products = torch._int_mm(x_codes, w_codes.t())  # cuBLASLt's layout: B column-major
         scale = x_scale * (w_scale.reshape(1, -1) if per_row else w_scale)
         out = products * scale if bias is None else torch.addcmul(bias, products, scale)
@@ -360,8 +382,9 @@ class _NativeInt8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
-        x = (x_codes * x_scale).reshape(ctx.shapes[0])
-        w = w_codes * w_scale
+        dtype = _FLOAT_DTYPES[ctx.backward]  # dequantized straight into it
+        x = _dequantized(x_codes, x_scale, dtype).reshape(ctx.shapes[0])
+        w = _dequantized(w_codes, w_scale, dtype)
         return (*_float_grads(ctx, ctx.kernel, grad_out, x, w, ctx.backward), None, None)
 
 
@@ -372,8 +395,9 @@ class _NativeFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, backward):
         x2 = x.reshape(-1, x.shape[-1])
-        x8, x_scale = _fp8_values(x2, Precision.FP8_E4M3)
-        w8, w_scale = _fp8_values(weight, Precision.FP8_E4M3)
+        x_scale, w_scale = _scales(x2, weight, _FP8[Precision.FP8_E4M3][1])
+        x8 = _fp8_values(x2, x_scale, Precision.FP8_E4M3)
+        w8 = _fp8_values(weight, w_scale, Precision.FP8_E4M3)
         out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=torch.float32)
         if bias is not None:
             out = out.add_(bias)
@@ -388,7 +412,8 @@ class _NativeFp8Linear(torch.autograd.Function):
             backward = Precision.FP32 if ctx.backward is Precision.FP8_E5M2 else ctx.backward
             return (*_float_grads(ctx, ctx.kernel, grad_out, x, w8.float() * w_scale,
                                   backward), None)
-        g8, g_scale = _fp8_values(g2, Precision.FP8_E5M2)
+        g_scale = _scale(g2, _FP8[Precision.FP8_E5M2][1])
+        g8 = _fp8_values(g2, g_scale, Precision.FP8_E5M2)
         grads = [None, None, None]
         if ctx.needs_input_grad[0]:
             grad_x = torch._scaled_mm(g8, _column_major(w8), g_scale, w_scale,

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qsync_lab.devices import load_catalog
 from qsync_lab.graph import trace_graph
@@ -75,6 +76,40 @@ def test_fp8_ops_call_scaled_mm_with_e4m3_forward_and_e5m2_gradients(linear, dev
     forward, *backward = [d for name, d, _ in kernels.calls if name == "_scaled_mm"]
     assert forward == (torch.float8_e4m3fn, torch.float8_e4m3fn)
     assert backward == [(torch.float8_e5m2, torch.float8_e4m3fn)] * 2
+
+
+class _Launches(TorchDispatchMode):
+    """The aten calls that launch work (views, transposes and allocations left out)."""
+
+    METADATA = ("view", "t", "expand", "detach", "empty", "_unsafe_view", "alias")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.METADATA:
+            self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision, forward, backward", [("int8", 11, 9), ("fp8_e4m3", 9, 11)])
+def test_quantized_linears_scale_both_operands_in_shared_launches(linear, precision, forward,
+                                                                  backward):
+    """One multi-tensor norm, division and floor give both operands' scales; one rounding
+    launch both int8 codes; the int8 backward dequantizes straight into its float dtype."""
+    layer, x = linear
+    apply_plan_(layer, {"": precision})
+    x.requires_grad_(True)
+    with execution("native"):
+        with _Launches() as forward_calls:
+            out = layer(x)
+        loss = out.sum()
+        with _Launches() as backward_calls:
+            loss.backward()
+    assert forward_calls.calls.count("_foreach_norm") == 1
+    assert len(forward_calls.calls) == forward, forward_calls.calls
+    assert len(backward_calls.calls) - 1 == backward, backward_calls.calls  # - the loss's
 
 
 @pytest.mark.parametrize("device", DEVICES)
