@@ -23,9 +23,10 @@ prediction for a 1-rank cluster of the card's catalog kind (from the catalog, an
 ``--profile`` when given: ``MODEL=CSV`` for one model's, such as ``qsync-lab profile
 --device cuda --model MODEL`` writes calibrated to that model's own steps), the error,
 the ratio to the matching torch row (``vs``: fp32 -> eager fp32, tf32 -> TF32, fp16 ->
-autocast fp16, the others -> autocast bf16; below 1 is faster than torch), CUDA kernels per step (``--kernels``: torch.profiler over one more
-step; on the CPU, aten op calls), and peak tensor memory (model build and the first two
-steps, as the trainer measures it) against the prediction. A row that raises is printed
+autocast fp16, the others -> autocast bf16; below 1 is faster than torch), CUDA kernels
+per step (``--kernels``: torch.profiler over one more step; on the CPU, aten op calls),
+and peak tensor memory (model build and the first two steps, as the trainer measures it)
+against the prediction. A row that raises is printed
 as failed with the exception's last line; the others still run. Rows left when
 ``--budget-s`` runs out are marked skipped. The table is rewritten after every row to
 ``<out>/gpu_training.csv`` and ``.txt`` (``--out``, default ``$OUT`` or ``./gpu_out``).
