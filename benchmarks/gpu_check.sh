@@ -167,7 +167,7 @@ for name in $STEPS; do
     [ -s "$OUT/gpu_compress.csv" ] && COMPRESS_PROFILE="$OUT/gpu_compress.csv"
     case $name in
         quant) step quant 60 "${PYTEST[@]}" -m gpu tests/quant ;;
-        profile) step profile 200 bash -c profile_models ;;
+        profile) step profile 230 bash -c profile_models ;;
         train) step train 260 $PY benchmarks/gpu_training.py --kernels --rounds 2 --row-s 3 \
                    --budget-s 220 \
                    --out "$OUT" ${TRAIN_PROFILES[@]+"${TRAIN_PROFILES[@]}"} ;;
